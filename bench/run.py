@@ -1,0 +1,212 @@
+"""`bench run`: decode a task suite with one method, interleaved with the AR baseline.
+
+For every question, turn by turn: the baseline turn (unless already recorded) and then
+the method's turn, so both see the same machine state. Each side carries its own
+conversation: turn 2 is asked after that side's own first answer (as in Spec-Bench).
+Finished turns are read back from the records and skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench import metrics
+from bench.errors import BenchError
+from bench.monitor import UtilizationMonitor
+from bench.records import RunFile, records_path
+from bench.runner import DecodeConfig
+from bench.sampling import SamplingConfig
+from tasks import Question, load_task, task_name
+
+BASELINE = "ar"
+
+
+@dataclass
+class RunSettings:
+    method: str
+    task: str
+    target: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "float32"
+    limit: int | None = None
+    categories: tuple[str, ...] = ()
+    tag: str | None = None
+    data_dir: str | None = None
+    results_dir: str = "results"
+    baseline: bool = True
+    method_options: dict = field(default_factory=dict)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+def turn_seed(seed: int, question_id: str, turn: int) -> int:
+    """A per-turn seed, so a resumed run draws the same numbers as an uninterrupted one."""
+    digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def _prompt_hash(prompt: list[int]) -> str:
+    return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
+
+
+class Side:
+    """One method's record file and decoder."""
+
+    def __init__(self, name: str, decoder, run_file: RunFile) -> None:
+        self.name = name
+        self.decoder = decoder
+        self.records = run_file
+
+    def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
+               target, config: DecodeConfig, baseline: Side | None) -> str:
+        """Run (or read back) one turn; returns the reply text for the conversation."""
+        done = self.records.done(question.question_id, turn)
+        if done is not None:
+            return done["text"]
+        prompt = chat_prompt(target.tokenizer, messages)
+        device = str(target.engine.device)
+        generator = torch.Generator(device=target.engine.device)
+        generator.manual_seed(turn_seed(settings.seed, question.question_id, turn))
+        with UtilizationMonitor(device) as monitor:
+            result = self.decoder.run_turn(prompt, config, generator)
+        text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        record = {
+            "question_id": question.question_id, "category": question.category, "turn": turn,
+            "prompt_len": len(prompt), "prompt_hash": _prompt_hash(prompt),
+            "tokens": result.tokens, "text": text, "stop_reason": result.stop_reason,
+            "ttft": result.ttft, "decode_time": result.decode_time,
+            "draft_time": result.draft_time, "verify_time": result.verify_time,
+            "rounds": len(result.accept_lengths), "proposed_lengths": result.proposed_lengths,
+            "accept_lengths": result.accept_lengths, "tree_sizes": result.tree_sizes,
+            "utilization": monitor.summary(),
+        }
+        record.update(compare_with_baseline(record, baseline, settings))
+        self.records.add_turn(record)
+        return text
+
+
+def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSettings) -> dict:
+    """Greedy runs must reproduce the baseline's tokens: note match and first divergence."""
+    if baseline is None or not settings.sampling.greedy:
+        return {"exact_match": None}
+    base = baseline.records.done(record["question_id"], record["turn"])
+    if base is None or base["prompt_hash"] != record["prompt_hash"]:
+        # An earlier turn diverged, so this prompt differs: the comparison says nothing.
+        return {"exact_match": None}
+    ours, theirs = record["tokens"], base["tokens"]
+    divergence = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if divergence is None and len(ours) != len(theirs):
+        divergence = min(len(ours), len(theirs))
+    return {"exact_match": divergence is None, "first_divergence": divergence}
+
+
+def warm_up(sides: list[Side], target, config: DecodeConfig) -> None:
+    """One short unrecorded turn per decoder, so one-time costs (allocation, kernel
+    selection, lazy imports) stay out of the first recorded turn's timings."""
+    prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": "Say hello."}])
+    short = DecodeConfig(max_new_tokens=8, sampling=config.sampling, eos_token_ids=config.eos_token_ids)
+    for side in sides:
+        side.decoder.run_turn(prompt, short, torch.Generator(device=target.engine.device))
+
+
+def record_settings(settings: RunSettings, method: str, target, decoder) -> dict:
+    """What determines a run's outputs and timings; resumed runs must match it."""
+    return {
+        "method": method, "task": task_name(settings.task), "target": target.name,
+        "target_fingerprint": target.fingerprint, "max_new_tokens": settings.max_new_tokens,
+        "sampling": settings.sampling.to_dict(), "seed": settings.seed,
+        "device": target.engine.device.type, "dtype": settings.dtype,
+        "method_options": settings.method_options if method == settings.method else {},
+        "lossless": decoder.lossless,
+    }
+
+
+def run(settings: RunSettings) -> dict:
+    """Run a task; returns the summary rows (method and baseline)."""
+    from bench.target import load_target
+    from methods import build_decoder, get_method
+
+    get_method(settings.method)  # fail fast on a typo, before loading anything
+    questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories)
+    if not questions:
+        raise BenchError(f"task '{settings.task}' selected no questions")
+    target = load_target(settings.target, settings.device, settings.dtype)
+    config = DecodeConfig(max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
+                          eos_token_ids=tuple(target.eos_token_ids))
+    results_dir = Path(settings.results_dir)
+    task = task_name(settings.task)
+    decoder = build_decoder(settings.method, target, settings.method_options)
+    path = records_path(results_dir, target.name, task, settings.method, settings.tag)
+    method_side = Side(settings.method, decoder,
+                       RunFile(path, record_settings(settings, settings.method, target, decoder),
+                               str(target.engine.device)))
+    baseline_side = None
+    if settings.baseline and settings.method != BASELINE:
+        base_decoder = build_decoder(BASELINE, target)
+        base_path = records_path(results_dir, target.name, task, BASELINE, settings.tag)
+        baseline_side = Side(BASELINE, base_decoder,
+                             RunFile(base_path, record_settings(settings, BASELINE, target, base_decoder),
+                                     str(target.engine.device)))
+    sides = [s for s in (baseline_side, method_side) if s is not None]
+    warm_up(sides, target, config)
+    total_turns = sum(len(q.turns) for q in questions)
+    with tqdm(total=total_turns, desc=f"{settings.method} on {task}", unit="turn") as progress:
+        for question in questions:
+            conversations = {side.name: [] for side in sides}
+            for turn, user_text in enumerate(question.turns, start=1):
+                for side in sides:
+                    messages = conversations[side.name]
+                    messages.append({"role": "user", "content": user_text})
+                    reply = side.answer(question, turn, messages, settings, target, config,
+                                        baseline_side if side is method_side else None)
+                    messages.append({"role": "assistant", "content": reply})
+                progress.update(1)
+    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+    method_turns = [r for k, r in method_side.records.turns.items() if k in keys]
+    summary = {settings.method: metrics.summarize(
+        method_turns, [r for k, r in baseline_side.records.turns.items() if k in keys] if baseline_side else None)}
+    if baseline_side is not None:
+        summary[BASELINE] = metrics.summarize([r for k, r in baseline_side.records.turns.items() if k in keys])
+    summary["_paths"] = {side.name: str(side.records.path) for side in sides}
+    return summary
+
+
+def format_summary(summary: dict, positions: int = 6) -> str:
+    """A compact table for the terminal."""
+    header = (f"{'method':<10} {'turns':>5} {'tokens':>7} {'tau':>5} {'tok/s':>7} {'TTFT ms':>8} "
+              f"{'TPOT ms':>8} {'speedup (95% CI)':>20} {'match':>6}  accept a_i (conditional)")
+    lines = [header, "-" * len(header)]
+    for name, row in summary.items():
+        if name.startswith("_"):
+            continue
+        speed = ""
+        if "speedup" in row:
+            low, high = row["speedup_ci"]
+            speed = f"{row['speedup']:.2f}x [{low:.2f},{high:.2f}]"
+        match = "" if row["match_rate"] != row["match_rate"] else f"{100 * row['match_rate']:.0f}%"
+        accept = " ".join(f"{a:.2f}" for a in row["accept_cond"][:positions])
+        lines.append(f"{name:<10} {row['turns']:>5} {row['new_tokens']:>7} {row['tau']:>5.2f} "
+                     f"{row['tokens_per_s']:>7.1f} {1000 * row['ttft_s']:>8.1f} {1000 * row['tpot_s']:>8.1f} "
+                     f"{speed:>20} {match:>6}  {accept}")
+    for name, path in summary.get("_paths", {}).items():
+        lines.append(f"records: {path}")
+    return "\n".join(lines)

