@@ -22,6 +22,13 @@ class Draft:
     q: Tensor | None = None  # [n, V]
     sampled_children: bool = False  # siblings drawn i.i.d. from q (SpecInfer multi-draft)
     meta: dict = field(default_factory=dict)  # method-specific extras (not verified)
+    # Optional extra branch run in the same target pass but never accepted (Lookahead's
+    # Jacobi window): tokens, positions relative to the root's, and a mask [m, n+1+m] over
+    # the whole block ([root, drafts..., extras...]). Their logits reach Drafter.accept;
+    # their KV is dropped by the commit.
+    extra_tokens: list[int] = field(default_factory=list)
+    extra_positions: list[int] = field(default_factory=list)
+    extra_mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -55,14 +62,16 @@ class Draft:
     def verify_inputs(self, root: int, start: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Tokens [root, drafts...], RoPE positions start+depth, and the tree mask
         (None for a chain: plain causal). Row i of the mask sees its ancestors and itself."""
-        tokens = torch.tensor([root] + self.tokens, dtype=torch.long)
-        positions = torch.tensor([0] + self.depths(), dtype=torch.long) + start
-        if self.is_chain:
+        tokens = torch.tensor([root] + self.tokens + self.extra_tokens, dtype=torch.long)
+        positions = torch.tensor([0] + self.depths() + self.extra_positions, dtype=torch.long) + start
+        if self.is_chain and not self.extra_tokens:
             return tokens, positions, None
         size = len(self.tokens) + 1
-        mask = torch.zeros(size, size, dtype=torch.bool)
+        mask = torch.zeros(len(tokens), len(tokens), dtype=torch.bool)
         mask[0, 0] = True
         for i, parent in enumerate(self.parents, start=1):
             mask[i] = mask[parent + 1]
             mask[i, i] = True
+        if self.extra_tokens:
+            mask[size:] = self.extra_mask
         return tokens, positions, mask

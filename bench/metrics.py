@@ -43,7 +43,7 @@ def acceptance_conditional(turns: list[dict]) -> list[float]:
     depth = max(proposed, default=0)
     rates = []
     for i in range(1, depth + 1):
-        reached = sum(a >= i - 1 and p >= i for p, a in zip(proposed, accepted))
+        reached = sum(a >= i - 1 and p >= i for p, a in zip(proposed, accepted, strict=True))
         rates.append(sum(a >= i for a in accepted) / reached if reached else float("nan"))
     return rates
 
@@ -78,6 +78,11 @@ def tpot(turns: list[dict]) -> float:
     """Time per output token after the first, pooled over turns."""
     steps = sum(len(t["tokens"]) - 1 for t in turns)
     return sum(t["decode_time"] for t in turns) / steps if steps else float("nan")
+
+
+def draft_time_per_round(turns: list[dict]) -> float:
+    rounds = sum(len(t["accept_lengths"]) for t in turns)
+    return sum(t["draft_time"] for t in turns) / rounds if rounds else float("nan")
 
 
 def paired(method: list[dict], base: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -132,7 +137,7 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
         "tokens_per_s": tokens_per_second(method),
         "ttft_s": mean_ttft(method),
         "tpot_s": tpot(method),
-        "draft_s_per_round": sum(t["draft_time"] for t in method) / max(1, sum(len(t["accept_lengths"]) for t in method)),
+        "draft_s_per_round": draft_time_per_round(method),
         "match_rate": match_rate(method),
     }
     if base is not None:

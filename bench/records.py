@@ -79,6 +79,8 @@ class RunFile:
 
     def __init__(self, path: Path, settings: dict, device: str) -> None:
         self.path = Path(path)
+        # Compare settings as they read back from JSON (tuples become lists, keys strings).
+        settings = json.loads(json.dumps(settings))
         self.settings = settings
         self.turns: dict[tuple[str, int], dict] = {}
         first_header = None
@@ -97,27 +99,30 @@ class RunFile:
 
     def _load(self) -> dict | None:
         """Read finished turns; drop a half-written last line left by a crash."""
-        raw = self.path.read_bytes()
-        if raw and not raw.endswith(b"\n"):
-            cut = raw.rfind(b"\n") + 1
-            print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
-                  file=sys.stderr)
-            with open(self.path, "r+b") as handle:
-                handle.truncate(cut)
-            raw = raw[:cut]
+        try:
+            raw = self.path.read_bytes()
+            if raw and not raw.endswith(b"\n"):
+                cut = raw.rfind(b"\n") + 1
+                print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
+                      file=sys.stderr)
+                with open(self.path, "r+b") as handle:
+                    handle.truncate(cut)
+                raw = raw[:cut]
+        except OSError as exc:
+            raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
         header = None
         for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+                if record.get("type") == "header" and header is None:
+                    header = record
+                elif record.get("type") == "turn":
+                    self.turns[(str(record["question_id"]), int(record["turn"]))] = record
+            except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
                 raise BenchError(f"{self.path}:{number}: corrupt record; move the file away "
                                  "or fix that line") from None
-            if record.get("type") == "header" and header is None:
-                header = record
-            elif record.get("type") == "turn":
-                self.turns[(str(record["question_id"]), int(record["turn"]))] = record
         return header
 
     def _append(self, record: dict) -> None:
@@ -136,14 +141,24 @@ class RunFile:
 
 
 def read_records(path: Path) -> tuple[list[dict], list[dict]]:
-    """(headers, turns) of a record file, for reports and metrics."""
+    """(headers, turns) of a record file, for reports and metrics.
+
+    A last line without its newline is a record still being written (or cut by a crash)
+    and is skipped, so reports can read a file while a run appends to it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"cannot read records {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    lines = text.split("\n")[:-1]  # the piece after the last newline is unfinished (or empty)
     headers, turns = [], []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise BenchError(f"{path}:{number}: corrupt record") from None
+        if not isinstance(record, dict):
+            raise BenchError(f"{path}:{number}: corrupt record")
         (headers if record.get("type") == "header" else turns).append(record)
     return headers, turns

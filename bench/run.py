@@ -113,7 +113,7 @@ def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSett
         # An earlier turn diverged, so this prompt differs: the comparison says nothing.
         return {"exact_match": None}
     ours, theirs = record["tokens"], base["tokens"]
-    divergence = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    divergence = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
     if divergence is None and len(ours) != len(theirs):
         divergence = min(len(ours), len(theirs))
     return {"exact_match": divergence is None, "first_divergence": divergence}
@@ -140,12 +140,29 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
     }
 
 
+def check_device(device: str | None) -> None:
+    """A bad --device is bad input: say so in one line instead of a torch traceback."""
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise BenchError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BenchError(f"device '{device}' requested but CUDA is not available here (use --device cpu)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise BenchError(f"device '{device}' does not exist ({torch.cuda.device_count()} CUDA devices)")
+
+
 def run(settings: RunSettings) -> dict:
     """Run a task; returns the summary rows (method and baseline)."""
-    from bench.target import load_target
+    from bench.target import load_target, parse_dtype
     from methods import build_decoder, get_method
 
     get_method(settings.method)  # fail fast on a typo, before loading anything
+    check_device(settings.device)
+    parse_dtype(settings.dtype)
     questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories)
     if not questions:
         raise BenchError(f"task '{settings.task}' selected no questions")
@@ -167,7 +184,9 @@ def run(settings: RunSettings) -> dict:
                              RunFile(base_path, record_settings(settings, BASELINE, target, base_decoder),
                                      str(target.engine.device)))
     sides = [s for s in (baseline_side, method_side) if s is not None]
-    warm_up(sides, target, config)
+    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+    if any(side.records.done(*key) is None for side in sides for key in keys):
+        warm_up(sides, target, config)  # nothing to time when every turn is read back
     total_turns = sum(len(q.turns) for q in questions)
     with tqdm(total=total_turns, desc=f"{settings.method} on {task}", unit="turn") as progress:
         for question in questions:
@@ -180,7 +199,6 @@ def run(settings: RunSettings) -> dict:
                                         baseline_side if side is method_side else None)
                     messages.append({"role": "assistant", "content": reply})
                 progress.update(1)
-    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
     method_turns = [r for k, r in method_side.records.turns.items() if k in keys]
     summary = {settings.method: metrics.summarize(
         method_turns, [r for k, r in baseline_side.records.turns.items() if k in keys] if baseline_side else None)}
@@ -208,5 +226,5 @@ def format_summary(summary: dict, positions: int = 6) -> str:
                      f"{row['tokens_per_s']:>7.1f} {1000 * row['ttft_s']:>8.1f} {1000 * row['tpot_s']:>8.1f} "
                      f"{speed:>20} {match:>6}  {accept}")
     for name, path in summary.get("_paths", {}).items():
-        lines.append(f"records: {path}")
+        lines.append(f"records ({name}): {path}")
     return "\n".join(lines)

@@ -134,7 +134,7 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
         start = engine.length
         tokens, positions, mask = draft.verify_inputs(state.root, start)
         out = engine.forward(tokens, positions, mask, taps=drafter.taps)
-        verdict = verify(draft, out.logits, config.sampling, generator)
+        verdict = verify(draft, out.logits[: len(draft) + 1], config.sampling, generator)
         rows = [0] + [node + 1 for node in verdict.accepted]
         engine.keep(start, rows)
         _sync(device)

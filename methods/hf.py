@@ -30,8 +30,9 @@ class HFDecoder:
     name = "hf"
     lossless = True
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, generate_kwargs: dict | None = None) -> None:
         self.target = target
+        self.generate_kwargs = generate_kwargs or {}  # e.g. prompt_lookup_num_tokens, assistant_model
         self.model = load_hf_model(target.path, str(target.engine.device),
                                    str(target.engine.dtype).removeprefix("torch."))
 
@@ -51,6 +52,7 @@ class HFDecoder:
                 torch.manual_seed(int(generator.initial_seed()))
         if config.stop_strings:
             kwargs.update(stop_strings=list(config.stop_strings), tokenizer=self.target.tokenizer)
+        kwargs.update(self.generate_kwargs)
         clock = _FirstTokenClock()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -72,4 +74,4 @@ class HFDecoder:
 
 
 def build(target, options: dict) -> HFDecoder:
-    return HFDecoder(target)
+    return HFDecoder(target, options)

@@ -43,6 +43,9 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     """Where local copies are looked for, most specific first."""
+    if data_dir and not Path(data_dir).is_dir():
+        # A typo must not silently fall back to some other copy of the data.
+        raise BenchError(f"data dir not found: {data_dir}")
     dirs = [Path(d) for d in (data_dir, os.environ.get("BENCH_DATA_DIR")) if d]
     dirs += [REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data"]
     return dirs
@@ -50,6 +53,11 @@ def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
 
 def read_jsonl(path: Path) -> list[dict]:
     """Parse a JSONL file; a malformed line is an error naming the file and line."""
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _numbered_rows(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line, so later checks can name the line."""
     rows = []
     try:
         text = path.read_text(encoding="utf-8")
@@ -66,7 +74,7 @@ def read_jsonl(path: Path) -> list[dict]:
             raise BenchError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise BenchError(f"{path}:{number}: expected a JSON object")
-        rows.append(row)
+        rows.append((number, row))
     return rows
 
 
@@ -92,19 +100,22 @@ def _download(task: str) -> Path:
         raise BenchError(
             f"no data for task '{task}': put {LOCAL_FILES[task]} under --data-dir "
             f"(or $BENCH_DATA_DIR), or go online to fetch {url}") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_bytes(payload)
-    path.with_suffix(".tmp").rename(path)
+    try:  # written under a temporary name first, so a crash never leaves half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_bytes(payload)
+        path.with_suffix(".tmp").rename(path)
+    except OSError as exc:
+        raise BenchError(f"cannot cache task data in {path.parent}: {exc.strerror}") from None
     return path
 
 
-def _mtbench_format(rows: list[dict], source: Path) -> list[Question]:
+def _mtbench_format(rows: list[tuple[int, dict]], source: Path) -> list[Question]:
     questions = []
-    for number, row in enumerate(rows, start=1):
+    for number, row in rows:
         turns = row.get("turns")
         if "question_id" not in row or not isinstance(turns, list) or not turns \
                 or not all(isinstance(t, str) for t in turns):
-            raise BenchError(f"{source}: record {number} needs 'question_id' and a list of string 'turns'")
+            raise BenchError(f"{source}:{number}: needs 'question_id' and a non-empty list of string 'turns'")
         reference = {"reference": row["reference"]} if "reference" in row else {}
         questions.append(Question(str(row["question_id"]), str(row.get("category", "default")),
                                   list(turns), reference))
@@ -113,21 +124,21 @@ def _mtbench_format(rows: list[dict], source: Path) -> list[Question]:
 
 def load_mtbench(data_dir=None) -> list[Question]:
     path = _find_source("mtbench", data_dir)
-    return _mtbench_format(read_jsonl(path), path)
+    return _mtbench_format(_numbered_rows(path), path)
 
 
 def load_specbench(data_dir=None) -> list[Question]:
     path = _find_source("specbench", data_dir)
-    return _mtbench_format(read_jsonl(path), path)
+    return _mtbench_format(_numbered_rows(path), path)
 
 
 def load_gsm8k(data_dir=None) -> list[Question]:
     path = _find_source("gsm8k", data_dir)
     questions = []
-    for number, row in enumerate(read_jsonl(path)):
-        if "question" not in row:
-            raise BenchError(f"{path}: record {number + 1} has no 'question'")
-        questions.append(Question(f"gsm8k-{number}", "math", [row["question"] + GSM8K_SUFFIX],
+    for index, (number, row) in enumerate(_numbered_rows(path)):
+        if not isinstance(row.get("question"), str):
+            raise BenchError(f"{path}:{number}: has no string 'question'")
+        questions.append(Question(f"gsm8k-{index}", "math", [row["question"] + GSM8K_SUFFIX],
                                   {"answer": row.get("answer")}))
     return questions
 
@@ -175,7 +186,7 @@ def load_task(task: str, data_dir=None, limit: int | None = None,
         path = Path(task)
         if not path.is_file():
             raise BenchError(f"task file not found: {path}")
-        questions = _mtbench_format(read_jsonl(path), path)
+        questions = _mtbench_format(_numbered_rows(path), path)
     else:
         raise BenchError(f"unknown task '{task}' (choose from {', '.join(TASKS)}, or a .jsonl path)")
     if categories:

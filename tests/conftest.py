@@ -1,0 +1,64 @@
+"""Shared fixtures. The real default target loads once per session (~0.5 s from the cached
+safetensors copy; the first run on a machine converts the GGUF once, ~25 s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tasks
+
+TINY_TASK = [  # MT-bench format; one two-turn question so conversations are exercised
+    {"question_id": "q1", "category": "chat", "turns": ["Say hi.", "Now say bye."]},
+    {"question_id": "q2", "category": "math", "turns": ["What is 2+2?"]},
+]
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    from bench.target import load_target
+
+    return load_target(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_target):
+    from bench.target import load_hf_model
+
+    return load_hf_model(default_target.path, "cpu")
+
+
+@pytest.fixture
+def data_dir(monkeypatch) -> Path:
+    """The shared task data (outside the repo); also exported as $BENCH_DATA_DIR."""
+    folder = tasks.REPO_ROOT.parent / "shared" / "data"
+    if not (folder / "mt_bench" / "question.jsonl").exists():
+        pytest.skip(f"no local task data at {folder}")
+    monkeypatch.setenv("BENCH_DATA_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def tiny_task(tmp_path) -> Path:
+    """A two-question custom task file."""
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in TINY_TASK), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path) -> list[str]:
+    """No local data and no network: urlopen fails (and records the URLs it was asked for)."""
+    requested: list[str] = []
+
+    def refuse(url, *args, **kwargs):
+        requested.append(url)
+        raise OSError("network disabled in tests")
+
+    monkeypatch.setattr(tasks.urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(tasks, "REPO_ROOT", tmp_path / "checkout")  # hides the shared/data beside it
+    monkeypatch.delenv("BENCH_DATA_DIR", raising=False)
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    return requested

@@ -1,0 +1,134 @@
+"""The `bench` command line: bad input is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import bench.target
+from bench.cli import main
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Errors that need no model must be reported before the target loads."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target model was loaded")
+
+    monkeypatch.setattr(bench.target, "load_target", refuse)
+
+
+def assert_bad_input(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def test_list():
+    result = invoke("list")
+    assert result.exit_code == 0
+    for word in ("methods:", "ar ", "hf ", "tasks:", "mtbench, humaneval, gsm8k, specbench", "targets:",
+                 "smollm2-135m"):
+        assert word in result.stdout
+
+
+def test_unknown_method(no_target_load, tiny_task):
+    assert_bad_input(invoke("run", "--method", "eagel", "--task", str(tiny_task)),
+                     "unknown method 'eagel'", "ar")
+
+
+def test_unknown_task(no_target_load):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", "mtbnech"), "unknown task 'mtbnech'")
+
+
+def test_unknown_category(no_target_load, data_dir):
+    result = invoke("run", "--method", "ar", "--task", "mtbench", "--data-dir", str(data_dir), "--category", "poetry")
+    assert_bad_input(result, "no category poetry", "has: coding")
+
+
+def test_malformed_custom_jsonl(no_target_load, tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2,\n')
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(path)), "broken.jsonl:2: malformed JSON")
+
+
+def test_missing_custom_file(no_target_load, tmp_path):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tmp_path / "gone.jsonl")), "task file not found")
+
+
+def test_bad_option(no_target_load, tiny_task):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tiny_task), "--option", "depth"),
+                     "--option takes key=value, got 'depth'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_without_cuda(no_target_load, tiny_task):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tiny_task), "--device", "cuda"),
+                     "CUDA is not available")
+
+
+def test_bad_dtype(no_target_load, tiny_task):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tiny_task), "--dtype", "fp8"),
+                     "unknown dtype 'fp8'")
+
+
+def test_unknown_target_folder(tiny_task, tmp_path):
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tiny_task), "--target", str(tmp_path / "nomodel")),
+                     "unknown target")
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    assert_bad_input(invoke("run", "--method", "ar", "--task", str(tiny_task), "--target", str(empty)),
+                     "has no config.json")
+
+
+def test_unwritable_results_dir(tiny_task, tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file, not a folder")
+    result = invoke("run", "--method", "ar", "--task", str(tiny_task), "--device", "cpu",
+                    "--results-dir", str(blocker))
+    assert_bad_input(result, "cannot write results to")
+
+
+def test_settings_mismatch_on_resume(tiny_task, tmp_path):
+    path = tmp_path / "smollm2-135m" / "tiny" / "ar.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"type": "header", "settings": {"method": "ar", "max_new_tokens": 999}}) + "\n")
+    result = invoke("run", "--method", "ar", "--task", str(tiny_task), "--device", "cpu",
+                    "--results-dir", str(tmp_path))
+    assert_bad_input(result, "other settings", "max_new_tokens", "--tag")
+    assert len(path.read_text().splitlines()) == 1
+
+
+def test_run_prints_summary(tiny_task, tmp_path):
+    result = invoke("run", "--method", "ar", "--task", str(tiny_task), "--category", "math", "--device", "cpu",
+                    "--max-new-tokens", "3", "--results-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "tau" in result.stdout and "records (ar):" in result.stdout
+    turns = [json.loads(line) for line in (tmp_path / "smollm2-135m" / "tiny" / "ar.jsonl").read_text().splitlines()]
+    assert [t.get("question_id") for t in turns if t["type"] == "turn"] == ["q2"]
+
+
+def test_real_exit_code_and_one_line(tmp_path):
+    """The installed script: exit status 2 and exactly one stderr line, no traceback."""
+    script = shutil.which("bench", path=str(Path(sys.executable).parent)) or shutil.which("bench")
+    if script is None:
+        pytest.skip("the `bench` console script is not installed")
+    done = subprocess.run([script, "run", "--method", "nope", "--task", "mtbench"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown method 'nope' (choose from ar")

@@ -1,0 +1,154 @@
+"""The compact engine against HF transformers, and KV-cache commit/rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.draft import Draft
+from bench.engine import Engine
+from bench.errors import BenchError
+
+TOLERANCE = 1e-4  # max abs logit difference allowed against HF in fp32
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **extra):
+    """A small random-weight model of a supported family (fast, no files)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, **extra)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits some norms/biases; randomise so they are tested
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def engine_for(model) -> Engine:
+    return Engine(model.config, model.state_dict())
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {"head_dim": 16}),
+])
+def test_logits_and_hidden_match_hf(model_type, extra):
+    model = tiny_model(model_type, **extra)
+    engine = engine_for(model)
+    tokens = torch.randint(0, 211, (23,))
+    out = engine.prefill(tokens, taps=(0, 2, 3), logits_rows="all")
+    with torch.no_grad():
+        ref = model(tokens[None], output_hidden_states=True)
+    assert (out.logits - ref.logits[0]).abs().max() <= TOLERANCE
+    for tap in (0, 2, 3):
+        assert (out.hidden[tap] - ref.hidden_states[tap][0]).abs().max() <= TOLERANCE
+    # Incremental steps on the cache equal a full recompute.
+    extra_tokens = torch.randint(0, 211, (5,))
+    for i, token in enumerate(extra_tokens):
+        step = engine.forward(token[None])
+        with torch.no_grad():
+            full = model(torch.cat([tokens, extra_tokens[: i + 1]])[None]).logits[0, -1]
+        assert (step.logits[0] - full).abs().max() <= TOLERANCE
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    with pytest.raises(BenchError, match="not supported"):
+        Engine(config, {})
+
+
+def test_chain_verify_then_crop_equals_sequential():
+    engine = engine_for(tiny_model())
+    prompt = torch.randint(0, 211, (11,))
+    engine.prefill(prompt)
+    start = engine.length
+    block = torch.randint(0, 211, (6,))
+    multi = engine.forward(block)
+    engine.crop(start + 3)  # keep root + 2 drafts
+    after = engine.forward(torch.tensor([7]))
+    # Reference: a fresh sequence fed token by token.
+    ref = engine_for(tiny_model())
+    ref.prefill(prompt)
+    singles = [ref.forward(t[None]).logits[0] for t in block[:3]]
+    ref_after = ref.forward(torch.tensor([7])).logits[0]
+    for i in range(3):
+        assert (multi.logits[i] - singles[i]).abs().max() <= TOLERANCE
+    assert (after.logits[0] - ref_after).abs().max() <= TOLERANCE
+
+
+def test_tree_verify_and_compaction_equal_the_accepted_path():
+    model = tiny_model(seed=3)
+    engine = engine_for(model)
+    prompt = torch.randint(0, 211, (9,))
+    engine.prefill(prompt)
+    root = 5
+    # root -> a(0) -> c(2) -> e(4); root -> b(1) -> d(3)
+    draft = Draft(tokens=[10, 20, 30, 40, 50], parents=[-1, -1, 0, 1, 2])
+    start = engine.length
+    tokens, positions, mask = draft.verify_inputs(root, start)
+    assert positions.tolist() == [start, start + 1, start + 1, start + 2, start + 2, start + 3]
+    out = engine.forward(tokens, positions, mask)
+    path = [root, 10, 30, 50]  # nodes 0, 2, 4 -> rows 1, 3, 5
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, torch.tensor(path)])[None]).logits[0, -len(path):]
+    for row, ref_row in zip([0, 1, 3, 5], ref):
+        assert (out.logits[row] - ref_row).abs().max() <= TOLERANCE
+    # Branch b/d sees the root but not a/c.
+    with torch.no_grad():
+        ref_b = model(torch.cat([prompt, torch.tensor([root, 20, 40])])[None]).logits[0, -2:]
+    assert (out.logits[2] - ref_b[0]).abs().max() <= TOLERANCE
+    assert (out.logits[4] - ref_b[1]).abs().max() <= TOLERANCE
+    # Keep the accepted path, then decode on: must equal the plain sequence.
+    engine.keep(start, [0, 1, 3, 5])
+    assert engine.length == start + 4
+    nxt = engine.forward(torch.tensor([77])).logits[0]
+    with torch.no_grad():
+        ref_next = model(torch.cat([prompt, torch.tensor(path + [77])])[None]).logits[0, -1]
+    assert (nxt - ref_next).abs().max() <= TOLERANCE
+
+
+def test_cache_grows_past_capacity():
+    engine = engine_for(tiny_model())
+    engine.reset(capacity=8)
+    tokens = torch.randint(0, 211, (20,))
+    out = engine.forward(tokens, logits_rows="last")
+    assert engine.length == 20 and engine.cache.capacity >= 20
+    ref = engine_for(tiny_model())
+    assert (out.logits[0] - ref.prefill(tokens).logits[0]).abs().max() <= TOLERANCE
+
+
+def test_crop_rejects_growth():
+    engine = engine_for(tiny_model())
+    engine.prefill(torch.randint(0, 211, (4,)))
+    with pytest.raises(ValueError):
+        engine.crop(9)
+
+
+def test_logits_rows_selection():
+    engine = engine_for(tiny_model())
+    tokens = torch.randint(0, 211, (7,))
+    full = engine.prefill(tokens, logits_rows="all").logits
+    some = engine_for(tiny_model()).prefill(tokens).logits  # "last" by default
+    assert some.shape == (1, 211) and torch.allclose(some[0], full[-1], atol=1e-5)
+
+
+def test_default_target_matches_hf(default_target, hf_model):
+    """The real embedded target: prefill and incremental logits within 1e-4 of HF."""
+    tokenizer = default_target.tokenizer
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = torch.tensor(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    engine = default_target.engine
+    out = engine.prefill(ids, logits_rows="all", taps=(15,))
+    with torch.no_grad():
+        ref = hf_model(ids[None], output_hidden_states=True)
+    assert (out.logits - ref.logits[0]).abs().max() <= TOLERANCE
+    assert (out.hidden[15] - ref.hidden_states[15][0]).abs().max() <= TOLERANCE
+    token = out.logits[-1].argmax()[None]
+    step = engine.forward(token).logits[0]
+    with torch.no_grad():
+        full = hf_model(torch.cat([ids, token])[None]).logits[0, -1]
+    assert (step - full).abs().max() <= TOLERANCE

@@ -1,0 +1,181 @@
+"""Record files: append, resume, crash recovery, refusal of mismatched settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.errors import BenchError
+from bench.records import RunFile, read_records, records_path
+
+SETTINGS = {"method": "ar", "task": "tiny", "max_new_tokens": 12, "seed": 0,
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}}
+
+
+def turn(question_id: str, number: int, tokens: list[int]) -> dict:
+    return {"question_id": question_id, "turn": number, "tokens": tokens, "text": f"reply {question_id}/{number}"}
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def path(tmp_path):
+    return records_path(tmp_path / "results", "smollm2-135m", "tiny", "ar")
+
+
+def test_records_path(tmp_path):
+    assert records_path(tmp_path, "t", "mtbench", "eagle") == tmp_path / "t" / "mtbench" / "eagle.jsonl"
+    assert records_path(tmp_path, "t", "mtbench", "eagle", "k4") == tmp_path / "t" / "mtbench" / "eagle-k4.jsonl"
+
+
+def test_header_then_turns(path):
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1, 2]))
+    header, first = lines(path)
+    assert header["type"] == "header" and header["settings"] == SETTINGS
+    provenance = header["provenance"]
+    assert provenance["git_sha"] and "torch" in provenance["packages"]
+    assert provenance["device"] == "cpu" and provenance["device_name"]
+    assert first == {"type": "turn", **turn("q1", 1, [1, 2])}
+
+
+def test_resume_reads_back_finished_turns(path):
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1, 2]))
+    records.add_turn(turn("q1", 2, [3]))
+    resumed = RunFile(path, SETTINGS, "cpu")
+    assert resumed.done("q1", 1)["tokens"] == [1, 2]
+    assert resumed.done("q1", 2)["text"] == "reply q1/2"
+    assert resumed.done("q2", 1) is None
+    resumed.add_turn(turn("q2", 1, [4]))
+    headers, turns = read_records(path)
+    assert len(headers) == 2  # every invocation leaves its provenance
+    assert [(t["question_id"], t["turn"]) for t in turns] == [("q1", 1), ("q1", 2), ("q2", 1)]
+
+
+def test_settings_as_json_sees_them(path):
+    """Tuples read back as lists; the same settings must still match on resume."""
+    settings = {**SETTINGS, "categories": ("math",)}
+    RunFile(path, settings, "cpu")
+    RunFile(path, settings, "cpu")
+
+
+def test_half_written_last_line_is_dropped(path, capsys):
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1, 2]))
+    with open(path, "a") as handle:  # a crash in the middle of writing the next turn
+        handle.write(json.dumps({"type": "turn", **turn("q1", 2, [3])})[:25])
+    resumed = RunFile(path, SETTINGS, "cpu")
+    assert "dropping an unfinished last record" in capsys.readouterr().err
+    assert resumed.done("q1", 1) is not None and resumed.done("q1", 2) is None
+    resumed.add_turn(turn("q1", 2, [3]))
+    headers, turns = read_records(path)
+    assert len(headers) == 2 and [t["turn"] for t in turns] == [1, 2]
+    assert RunFile(path, SETTINGS, "cpu").done("q1", 2)["tokens"] == [3]
+
+
+def test_corrupt_middle_line(path):
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1]))
+    records.add_turn(turn("q1", 2, [2]))
+    text = path.read_text().splitlines()
+    text[1] = text[1][:-3]
+    path.write_text("\n".join(text) + "\n")
+    with pytest.raises(BenchError, match=r"ar\.jsonl:2: corrupt record"):
+        RunFile(path, SETTINGS, "cpu")
+    with pytest.raises(BenchError, match=r"ar\.jsonl:2: corrupt record"):
+        read_records(path)
+
+
+def test_turn_without_id_is_corrupt(path):
+    RunFile(path, SETTINGS, "cpu")
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"type": "turn", "turn": 1}) + "\n")
+    with pytest.raises(BenchError, match=r":2: corrupt record"):
+        RunFile(path, SETTINGS, "cpu")
+
+
+def test_settings_mismatch_suggests_tag(path):
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1]))
+    before = path.read_bytes()
+    with pytest.raises(BenchError, match=r"other settings \(max_new_tokens, seed\); use --tag"):
+        RunFile(path, {**SETTINGS, "max_new_tokens": 64, "seed": 1}, "cpu")
+    assert path.read_bytes() == before  # nothing appended to a file we refused
+
+
+def test_unwritable_results_dir(tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where a folder should be")
+    with pytest.raises(BenchError, match="cannot write results to"):
+        RunFile(records_path(blocker, "t", "tiny", "ar"), SETTINGS, "cpu")
+
+
+def test_read_records_skips_record_in_flight(path):
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1]))
+    with open(path, "a") as handle:
+        handle.write('{"type": "turn", "quest')
+    headers, turns = read_records(path)
+    assert len(headers) == 1 and len(turns) == 1
+
+
+def test_read_records_missing_file(tmp_path):
+    with pytest.raises(BenchError, match="cannot read records"):
+        read_records(tmp_path / "none.jsonl")
+
+
+# --- end to end on the real default target ------------------------------------------------
+
+TURN_FIELDS = {"type", "question_id", "category", "turn", "prompt_len", "prompt_hash", "tokens", "text",
+               "stop_reason", "ttft", "decode_time", "draft_time", "verify_time", "rounds", "proposed_lengths",
+               "accept_lengths", "tree_sizes", "utilization", "exact_match"}
+
+
+def test_run_writes_records_and_resumes(tiny_task, tmp_path):
+    from bench.run import RunSettings, run
+
+    settings = RunSettings(method="ar", task=str(tiny_task), max_new_tokens=12, device="cpu",
+                           results_dir=str(tmp_path / "results"))
+    summary = run(settings)
+    path = Path(summary["_paths"]["ar"])
+    assert path == tmp_path / "results" / "smollm2-135m" / "tiny" / "ar.jsonl"
+    assert summary["ar"]["turns"] == 3 and list(summary) == ["ar", "_paths"]  # method 'ar': no baseline
+
+    headers, turns = read_records(path)
+    (header,) = headers
+    assert header["settings"]["method"] == "ar" and header["settings"]["task"] == "tiny"
+    assert header["settings"]["seed"] == 0 and header["settings"]["max_new_tokens"] == 12
+    assert header["settings"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    provenance = header["provenance"]
+    assert provenance["git_sha"] != "" and {"torch", "transformers"} <= set(provenance["packages"])
+    assert provenance["device"] == "cpu" and provenance["device_name"]
+
+    assert [(t["question_id"], t["category"], t["turn"]) for t in turns] == [
+        ("q1", "chat", 1), ("q1", "chat", 2), ("q2", "math", 1)]
+    for record in turns:
+        assert set(record) >= TURN_FIELDS
+        assert 1 <= len(record["tokens"]) <= 12 and all(isinstance(i, int) for i in record["tokens"])
+        assert isinstance(record["text"], str) and record["prompt_len"] > 0
+        assert all(record[k] >= 0 for k in ("ttft", "decode_time", "draft_time", "verify_time"))
+        # AR: one target step per token after the prefill's, and nothing drafted
+        assert record["rounds"] == len(record["tokens"]) - 1 == len(record["accept_lengths"])
+        assert len(record["proposed_lengths"]) == record["rounds"] and not any(record["accept_lengths"])
+        assert record["utilization"]["kind"] == "cpu"
+        assert record["stop_reason"] in ("eos", "length")
+    assert turns[1]["prompt_len"] > turns[0]["prompt_len"] + 3  # turn 2 sees the first exchange
+
+    run(settings)  # everything recorded: nothing is decoded again
+    headers, again = read_records(path)
+    assert len(headers) == 2 and again == turns
+
+    # Lose the last two turns (one is a second turn, rebuilt on turn 1's recorded reply).
+    text = path.read_text().splitlines(keepends=True)
+    kept = [line for line in text if json.loads(line).get("turn") != 2 and json.loads(line).get("question_id") != "q2"]
+    path.write_text("".join(kept))
+    run(settings)
+    _, regenerated = read_records(path)
+    assert [(t["question_id"], t["turn"]) for t in regenerated] == [("q1", 1), ("q1", 2), ("q2", 1)]
+    for new, old in zip(regenerated, turns, strict=True):
+        assert (new["tokens"], new["text"], new["prompt_hash"]) == (old["tokens"], old["text"], old["prompt_hash"])
