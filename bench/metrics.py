@@ -139,6 +139,8 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
         "tpot_s": tpot(method),
         "draft_s_per_round": draft_time_per_round(method),
         "match_rate": match_rate(method),
+        "near_ties": sum(t.get("exact_match") is False and bool(t.get("near_tie")) for t in method),
+        "mismatches": sum(t.get("exact_match") is False and not t.get("near_tie") for t in method),
     }
     if base is not None:
         row["speedup"] = speedup(method, base)

@@ -99,13 +99,27 @@ class Side:
             "accept_lengths": result.accept_lengths, "tree_sizes": result.tree_sizes,
             "utilization": monitor.summary(),
         }
-        record.update(compare_with_baseline(record, baseline, settings))
+        record.update(compare_with_baseline(record, baseline, settings, target, prompt))
         self.records.add_turn(record)
         return text
 
 
-def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSettings) -> dict:
-    """Greedy runs must reproduce the baseline's tokens: note match and first divergence."""
+# A k-token verify pass may round differently from a 1-token step. Where the target's top-2
+# logits at the first divergence are closer than this, the flip is floating-point noise.
+NEAR_TIE_MARGIN = {"float32": 1e-4, "bfloat16": 0.1, "float16": 0.02}
+
+
+def divergence_margin(target, prompt: list[int], prefix: list[int]) -> float:
+    """The target's top-2 logit margin after prompt + prefix (one extra prefill)."""
+    logits = target.engine.prefill(torch.tensor(prompt + prefix)).logits[-1]
+    top2 = logits.topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSettings, target=None,
+                          prompt: list[int] | None = None) -> dict:
+    """Greedy runs must reproduce the baseline's tokens: note match and first divergence,
+    and whether the divergence sits on a near tie (noise) or is a real mismatch."""
     if baseline is None or not settings.sampling.greedy:
         return {"exact_match": None}
     base = baseline.records.done(record["question_id"], record["turn"])
@@ -116,7 +130,14 @@ def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSett
     divergence = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
     if divergence is None and len(ours) != len(theirs):
         divergence = min(len(ours), len(theirs))
-    return {"exact_match": divergence is None, "first_divergence": divergence}
+    result = {"exact_match": divergence is None, "first_divergence": divergence}
+    if divergence is not None and target is not None and divergence < min(len(ours), len(theirs)):
+        margin = divergence_margin(target, prompt, theirs[:divergence])
+        threshold = NEAR_TIE_MARGIN.get(str(target.engine.dtype).removeprefix("torch."), 1e-4)
+        result.update(divergence_margin=margin, near_tie=margin < threshold)
+    elif divergence is not None:
+        result["near_tie"] = False  # one side stopped early: never noise
+    return result
 
 
 def warm_up(sides: list[Side], target, config: DecodeConfig) -> None:
