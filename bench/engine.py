@@ -192,7 +192,8 @@ class Engine:
         """Run n new tokens, append their K/V at slots [length, length+n).
 
         positions: [n] RoPE positions (default: consecutive from `length`).
-        tree_mask: [n, n] bool, row i may see column j of the new block (default causal).
+        tree_mask: [n, n] bool, row i may see column j of the new block (default causal), all
+            earlier slots visible; or [n, length+n]: visibility over every slot.
         taps: hidden-state layers to return (HF numbering, see module docstring).
         logits_rows: "all", "last", "none" or an index tensor of rows to project.
         """
@@ -208,7 +209,9 @@ class Engine:
         cos, sin = cos[None, None], sin[None, None]
         mask = None
         is_causal = False
-        if tree_mask is not None:
+        if tree_mask is not None and tree_mask.shape[1] == total and total != n:
+            mask = tree_mask.to(self.device)  # visibility over every slot (trees drafted level by level)
+        elif tree_mask is not None:
             mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
             mask[:, start:] = tree_mask.to(self.device)
         elif n > 1:

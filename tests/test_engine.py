@@ -152,3 +152,22 @@ def test_default_target_matches_hf(default_target, hf_model):
     with torch.no_grad():
         full = hf_model(torch.cat([ids, token])[None]).logits[0, -1]
     assert (step - full).abs().max() <= TOLERANCE
+
+
+def test_full_slot_mask_hides_earlier_siblings():
+    """A tree drafted level by level: level-2 nodes must not see level-1 siblings."""
+    model = tiny_model(seed=5)
+    engine = engine_for(model)
+    prompt = torch.randint(0, 211, (8,))
+    engine.prefill(prompt)
+    start = engine.length
+    engine.forward(torch.tensor([30, 40]), torch.tensor([start, start]), torch.eye(2, dtype=torch.bool))
+    # child of 40 (slot start+1) at depth 2: sees the prompt and 40, not 30
+    mask = torch.zeros(1, start + 3, dtype=torch.bool)
+    mask[0, :start] = True
+    mask[0, start + 1] = True
+    mask[0, start + 2] = True
+    out = engine.forward(torch.tensor([50]), torch.tensor([start + 1]), mask)
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, torch.tensor([40, 50])])[None]).logits[0, -1]
+    assert (out.logits[0] - ref).abs().max() <= TOLERANCE
