@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint bench-ar-hf clean
+.PHONY: setup demo test test-slow lint peers gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,13 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check bench methods tasks tests
 
-# Our AR loop vs transformers.generate, interleaved (speed ratio, not a test).
-bench-ar-hf: $(STAMP)
-	$(BIN)/python -m bench.peers --limit 5
+# Our implementations vs transformers' own, interleaved (speed ratios, not a test).
+peers: $(STAMP)
+	$(BIN)/python -m bench.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
+
+# On a CUDA machine: Triton verification kernels vs the torch reference, and timings.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV)

@@ -21,7 +21,7 @@ class Draft:
     parents: list[int]
     q: Tensor | None = None  # [n, V]
     sampled_children: bool = False  # siblings drawn i.i.d. from q (SpecInfer multi-draft)
-    meta: dict = field(default_factory=dict)  # method-specific extras (not verified)
+    meta: dict = field(default_factory=dict)  # extras; bench.verify reads meta[WITHOUT_REPLACEMENT]
     # Optional extra branch run in the same target pass but never accepted (Lookahead's
     # Jacobi window): tokens, positions relative to the root's, and a mask [m, n+1+m] over
     # the whole block ([root, drafts..., extras...]). Their logits reach Drafter.accept;
