@@ -24,19 +24,56 @@ from bench.records import provenance
 from bench.run import chat_prompt
 from bench.runner import DecodeConfig
 
-# pair name -> ((our method, options), (peer method, generate kwargs builder))
+SPS_GAMMA = 4  # draft tokens per round on both sides of the sps pair
+
+
+def hf_draft_model(target, folder: Path):
+    """The SpS drafter as a transformers model (its layers + the target's embedding and
+    lm_head), for `generate(assistant_model=...)`."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from bench.drafters import MANIFEST, read_manifest
+    from bench.training.draft_lm import config_from_dict
+
+    if not (Path(folder) / MANIFEST).exists():  # a plain HF folder
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=target.engine.dtype).eval()
+    manifest = read_manifest(folder)
+    config = config_from_dict(manifest["architecture"])
+    model = AutoModelForCausalLM.from_config(config, dtype=target.engine.dtype)
+    state = load_file(str(Path(folder) / manifest.get("weights", "model.safetensors")))
+    state["model.embed_tokens.weight"] = target.engine.embed
+    state["lm_head.weight"] = target.engine.lm_head
+    model.load_state_dict({k: v.to(target.engine.dtype) for k, v in state.items()}, strict=False)
+    generation = model.generation_config
+    generation.num_assistant_tokens = SPS_GAMMA
+    generation.num_assistant_tokens_schedule = "constant"
+    generation.assistant_confidence_threshold = 0.0  # ours drafts a fixed gamma too
+    return model.to(target.engine.device).eval()
+
+
+# pair name -> ((our method, options), (peer method, generate kwargs)); the sps pair's
+# assistant_model is filled in with the same drafter ours uses.
 PAIRS = {
     "ar-hf": (("ar", {}), ("hf", {})),
+    # HF's prompt lookup with the original's settings: 3-gram match, 10 tokens.
+    "pld-hf": (("pld", {"max_ngram": 3, "num_pred_tokens": 10}),
+               ("hf", {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3})),
+    "sps-hf": (("sps", {"gamma": SPS_GAMMA}), ("hf", {"assistant_model": None})),
 }
 
 
 def _decoders(pair: str, target):
+    from bench.drafters import find_drafter
     from methods import build_decoder
 
     if pair not in PAIRS:
         raise BenchError(f"unknown pair '{pair}' (choose from {', '.join(PAIRS)})")
     (ours, ours_options), (peer, peer_options) = PAIRS[pair]
-    return build_decoder(ours, target, dict(ours_options)), build_decoder(peer, target, dict(peer_options))
+    peer_options = dict(peer_options)
+    if "assistant_model" in peer_options:
+        peer_options["assistant_model"] = hf_draft_model(target, find_drafter(target.name, "sps"))
+    return build_decoder(ours, target, dict(ours_options)), build_decoder(peer, target, peer_options)
 
 
 def compare(pair: str, target, prompts: list[list[int]], config: DecodeConfig, repeats: int) -> dict:

@@ -1,8 +1,8 @@
 """Task suites: every suite becomes a list of Questions in MT-bench format.
 
 Sources, in order: the data dir (`--data-dir`, $BENCH_DATA_DIR, or a `shared/data`
-folder found beside the checkout), the installed package (HumanEval), then the public
-URL when online (cached). A missing source is a one-line BenchError saying where the
+folder found beside the checkout), the copies bundled in tasks/data, the installed package
+(HumanEval), then the public URL when online (cached). A missing source is a one-line BenchError saying where the
 data can come from.
 """
 
@@ -47,7 +47,8 @@ def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
         # A typo must not silently fall back to some other copy of the data.
         raise BenchError(f"data dir not found: {data_dir}")
     dirs = [Path(d) for d in (data_dir, os.environ.get("BENCH_DATA_DIR")) if d]
-    dirs += [REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data"]
+    dirs += [REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data",
+             REPO_ROOT / "tasks" / "data"]  # bundled copies: the offline default
     return dirs
 
 
