@@ -171,3 +171,16 @@ def test_full_slot_mask_hides_earlier_siblings():
     with torch.no_grad():
         ref = model(torch.cat([prompt, torch.tensor([40, 50])])[None]).logits[0, -1]
     assert (out.logits[0] - ref).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_engine_runs_close_to_fp32(dtype):
+    model = tiny_model(seed=2)
+    tokens = torch.randint(0, 211, (12,))
+    full = engine_for(model).prefill(tokens, logits_rows="all").logits
+    half_engine = Engine(model.config, model.state_dict(), dtype=dtype)
+    half = half_engine.prefill(tokens, logits_rows="all", taps=(2,))
+    assert half.logits.dtype == torch.float32 and half.hidden[2].dtype == dtype
+    assert (half.logits - full).abs().max() < 0.1
+    step = half_engine.forward(torch.tensor([3]))
+    assert torch.isfinite(step.logits).all()
