@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -44,6 +45,8 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--task", required=True, help="mtbench | humaneval | gsm8k | specbench | path.jsonl")
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="first N questions")
+@click.option("--per-category", type=click.IntRange(min=1), default=None,
+              help="first N questions of each category (before --limit)")
 @click.option("--category", "categories", multiple=True, help="only these categories (repeatable)")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
@@ -58,8 +61,9 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--no-baseline", is_flag=True, help="do not run the AR baseline alongside")
 @click.option("--strict", is_flag=True, help="exit 1 if a greedy turn differs from the baseline")
 @click.option("--option", "options", multiple=True, help="method option key=value (repeatable)")
-def run(method, task, target, limit, categories, max_new_tokens, temperature, top_k, top_p, seed,
-        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options) -> None:
+@click.option("--drafter", default=None, help="trained drafter folder (default: user-trained, then shipped)")
+def run(method, task, target, limit, per_category, categories, max_new_tokens, temperature, top_k, top_p, seed,
+        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, drafter) -> None:
     """Decode a task suite with one method; write records; print tau, a_i, speedup."""
     from bench.run import RunSettings, format_summary
     from bench.run import run as run_task
@@ -67,15 +71,75 @@ def run(method, task, target, limit, categories, max_new_tokens, temperature, to
     settings = RunSettings(
         method=method, task=task, target=target, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype,
-        limit=limit, categories=tuple(categories), tag=tag, data_dir=data_dir,
-        results_dir=results_dir, baseline=not no_baseline, method_options=_parse_options(options))
+        limit=limit, per_category=per_category, categories=tuple(categories), tag=tag, data_dir=data_dir,
+        results_dir=results_dir, baseline=not no_baseline,
+        method_options=_parse_options(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
+    if drafter:
+        from methods import get_method
+
+        if not get_method(method).trained:
+            raise BenchError(f"method '{method}' takes no drafter (--drafter is for trained methods)")
     summary = run_task(settings)
     click.echo(format_summary(summary))
     row = summary[method]
     if temperature == 0 and row["match_rate"] == row["match_rate"]:
-        click.echo(f"lossless check: {100 * row['match_rate']:.1f}% of turns match the AR baseline exactly")
-        if strict and row["match_rate"] < 1.0:
+        click.echo(f"lossless check: {100 * row['match_rate']:.1f}% of turns match the AR baseline exactly; "
+                   f"{row['near_ties']} diverge on a near tie (float noise), {row['mismatches']} real mismatches")
+        if strict and row["mismatches"]:
             sys.exit(1)
+
+
+@main.command()
+@click.option("--method", required=True, help="a method with a trained drafter (e.g. sps)")
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
+@click.option("--out", "out_dir", default=None,
+              help="output folder (default: $BENCH_CACHE/drafters/<target>/<method>); resumes if it has a checkpoint")
+@click.option("--max-steps", type=click.IntRange(min=1), default=600, show_default=True,
+              help="600 x 4 conversations: about an hour on 2 CPU cores")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="conversations per step")
+@click.option("--max-len", type=click.IntRange(min=16), default=384, show_default=True, help="tokens per conversation")
+@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=1e-3, show_default=True)
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=10, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
+@click.option("--checkpoint-minutes", type=click.FloatRange(min=0.0), default=5.0, show_default=True)
+@click.option("--data-limit", type=click.IntRange(min=1), default=None, help="use only N conversations")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for torch (1 is much faster when other jobs share the cores)")
+@click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
+def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_steps, seed, device,
+          checkpoint_minutes, data_limit, threads, options) -> None:
+    """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
+    import importlib
+    from pathlib import Path
+
+    from bench.drafters import user_dir
+    from bench.run import check_device
+    from bench.target import default_device, load_target
+    from bench.training import TrainSettings
+    from methods import get_method
+
+    info = get_method(method)
+    if not info.trained:
+        raise BenchError(f"method '{method}' has nothing to train")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    check_device(device)
+    loaded = load_target(target, device)
+    settings = TrainSettings(
+        out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
+        batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
+        device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
+        options=_parse_options(options))
+    click.echo(f"training {method} drafter for {loaded.name} into {settings.out_dir}")
+    summary = importlib.import_module(info.module).train(loaded, settings)
+    last = summary.get("last")
+    metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
+        "(already complete)"
+    click.echo(f"done: {summary['steps']} steps, last step {metrics}; drafter in {summary['drafter']}; "
+               f"log {summary['log']}")
 
 
 @main.command(name="list")
@@ -96,6 +160,11 @@ def list_cmd() -> None:
     for folder in sorted((cache_dir() / "targets").glob("*")) if (cache_dir() / "targets").exists() else []:
         click.echo(f"  cached: {folder}")
     click.echo("  any HF Llama/Mistral/Qwen2/Qwen3 folder or hub id via --target")
+    from bench.drafters import list_drafters
+
+    click.echo("drafters:")
+    for target_name, method, kind, folder in list_drafters():
+        click.echo(f"  {method:<12} for {target_name} ({kind}): {folder}")
 
 
 if __name__ == "__main__":

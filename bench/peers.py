@@ -59,7 +59,8 @@ PAIRS = {
     # HF's prompt lookup with the original's settings: 3-gram match, 10 tokens.
     "pld-hf": (("pld", {"max_ngram": 3, "num_pred_tokens": 10}),
                ("hf", {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3})),
-    "sps-hf": (("sps", {"gamma": SPS_GAMMA}), ("hf", {"assistant_model": None})),
+    # The draft runs in the target's dtype on both sides (HF's assistant model is fp32).
+    "sps-hf": (("sps", {"gamma": SPS_GAMMA, "draft_dtype": "float32"}), ("hf", {"assistant_model": None})),
 }
 
 

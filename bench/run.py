@@ -39,6 +39,7 @@ class RunSettings:
     device: str | None = None
     dtype: str = "float32"
     limit: int | None = None
+    per_category: int | None = None
     categories: tuple[str, ...] = ()
     tag: str | None = None
     data_dir: str | None = None
@@ -158,6 +159,8 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
         "device": target.engine.device.type, "dtype": settings.dtype,
         "method_options": settings.method_options if method == settings.method else {},
         "lossless": decoder.lossless,
+        # Which trained drafter produced the records (methods that load one expose `info`).
+        **({"drafter": decoder.info} if getattr(decoder, "info", None) else {}),
     }
 
 
@@ -184,7 +187,8 @@ def run(settings: RunSettings) -> dict:
     get_method(settings.method)  # fail fast on a typo, before loading anything
     check_device(settings.device)
     parse_dtype(settings.dtype)
-    questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories)
+    questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories,
+                          settings.per_category)
     if not questions:
         raise BenchError(f"task '{settings.task}' selected no questions")
     target = load_target(settings.target, settings.device, settings.dtype)

@@ -82,15 +82,16 @@ def _gguf_location() -> Path:
     return path
 
 
-def _fingerprint(folder: Path) -> str:
-    """A cheap identity of a model folder: hash of its config and weight file sizes."""
+def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """Identity of a model's weights, independent of file layout and library versions:
+    tensor names and shapes, every norm weight, and a slice of the embedding."""
     digest = hashlib.sha256()
-    for f in sorted(folder.glob("*")):
-        if f.suffix in {".json", ".safetensors", ".bin"}:
-            digest.update(f.name.encode())
-            digest.update(str(f.stat().st_size).encode())
-            if f.name == "config.json":
-                digest.update(f.read_bytes())
+    for name in sorted(state):
+        tensor = state[name]
+        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+        if "norm" in name or name == "model.embed_tokens.weight":
+            sample = tensor.detach().float().flatten()[:65536].contiguous()
+            digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -173,9 +174,9 @@ def load_target(spec: str | None = None, device: str | None = None, dtype: str =
     name, folder = resolve_target(spec)
     config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = Engine(config, load_state_dict(folder), device=device or default_device(),
-                    dtype=parse_dtype(dtype))
-    return Target(name=name, path=folder, fingerprint=_fingerprint(folder), engine=engine,
+    state = load_state_dict(folder)
+    engine = Engine(config, state, device=device or default_device(), dtype=parse_dtype(dtype))
+    return Target(name=name, path=folder, fingerprint=weights_fingerprint(state), engine=engine,
                   tokenizer=tokenizer, config=config)
 
 

@@ -25,6 +25,12 @@ class MethodInfo:
 METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("ar", "methods.ar", "autoregressive baseline: the shared loop with no draft"),
     MethodInfo("hf", "methods.hf", "transformers.generate, the outside reference (greedy/sampling)"),
+    MethodInfo("pld", "methods.pld", "prompt lookup decoding: n-gram copy from prompt+output"),
+    MethodInfo("lookahead", "methods.lookahead", "Lookahead decoding: Jacobi window + n-gram pool (N=5, W=7, G=7)"),
+    MethodInfo("sps", "methods.sps", "speculative sampling with a distilled draft LM (bench train --method sps)",
+               trained=True),
+    MethodInfo("specinfer", "methods.specinfer", "SpecInfer token trees from the SpS draft model (top-k or sampled)",
+               trained=True),
 ]}
 
 

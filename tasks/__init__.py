@@ -179,8 +179,9 @@ def task_name(task: str) -> str:
 
 
 def load_task(task: str, data_dir=None, limit: int | None = None,
-              categories: tuple[str, ...] = ()) -> list[Question]:
-    """Questions of a suite or custom JSONL file, in file order, filtered then limited."""
+              categories: tuple[str, ...] = (), per_category: int | None = None) -> list[Question]:
+    """Questions of a suite or custom JSONL file, in file order, filtered then limited.
+    `per_category` keeps the first N of each category (a stratified sample), before `limit`."""
     if task in TASKS:
         questions = TASKS[task](data_dir)
     elif task.endswith(".jsonl") or Path(task).exists():
@@ -196,6 +197,14 @@ def load_task(task: str, data_dir=None, limit: int | None = None,
         if missing:
             raise BenchError(f"task '{task}' has no category {', '.join(missing)} (has: {', '.join(known)})")
         questions = [q for q in questions if q.category in categories]
+    if per_category is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for question in questions:
+            if taken.get(question.category, 0) < per_category:
+                taken[question.category] = taken.get(question.category, 0) + 1
+                kept.append(question)
+        questions = kept
     if limit is not None:
         questions = questions[:limit]
     ids = [q.question_id for q in questions]

@@ -216,3 +216,13 @@ def test_not_utf8(tmp_path):
 def test_unknown_task():
     with pytest.raises(BenchError, match=r"unknown task 'mtbnech' \(choose from mtbench, humaneval"):
         load_task("mtbnech")
+
+
+def test_per_category_takes_a_stratified_sample(data_dir):
+    questions = tasks.load_task("specbench", data_dir, per_category=2)
+    counts = {}
+    for question in questions:
+        counts[question.category] = counts.get(question.category, 0) + 1
+    assert len(counts) == 13 and set(counts.values()) == {2}
+    assert [q.question_id for q in tasks.load_task("specbench", data_dir, per_category=2, limit=3)] == \
+        [q.question_id for q in questions[:3]]

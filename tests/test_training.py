@@ -1,0 +1,198 @@
+"""Drafter training: ShareGPT formatting, the loop's checkpoints and exact resume, export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
+
+from bench.errors import BenchError
+from bench.training import TrainSettings
+from bench.training import loop as loop_module
+from bench.training.data import ShareGPTExamples, format_conversation, read_sharegpt
+from bench.training.draft_lm import DraftDistillation, train_draft_lm
+
+FP32 = {"num_layers": 1, "teacher_dtype": "float32", "autocast": "float32"}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return load_tiny_target(make_tiny_target_folder(tmp_path_factory.mktemp("tiny-target")))
+
+
+@pytest.fixture
+def sharegpt(tmp_path):
+    return write_sharegpt(tmp_path / "sharegpt.json")
+
+
+def _settings(out_dir, data_path, **changes) -> TrainSettings:
+    values = dict(out_dir=out_dir, max_steps=4, batch_size=2, max_len=64, lr=1e-3, warmup_steps=1,
+                  checkpoint_every_s=0.0, data_path=data_path, progress=False, options=dict(FP32))
+    values.update(changes)
+    return TrainSettings(**values)
+
+
+# ---------------------------------------------------------------------- data
+def test_truncated_sharegpt_file_is_read(sharegpt):
+    conversations = read_sharegpt(sharegpt)
+    assert len(conversations) == 11  # 12 written, the cut-off last one dropped, the gpt-only one skipped
+    assert all(c[0]["role"] == "user" for c in conversations)
+    assert [m["role"] for m in conversations[0]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_reply_mask_covers_exactly_the_replies(tiny_target, sharegpt):
+    tokenizer = tiny_target.tokenizer
+    messages = read_sharegpt(sharegpt)[1]
+    example = format_conversation(tokenizer, messages, max_len=512)
+    tokens, mask = example.tokens.tolist(), example.loss_mask.tolist()
+    full = tokenizer.apply_chat_template(messages, tokenize=True)
+    full = full["input_ids"] if hasattr(full, "keys") else full
+    assert tokens == list(full)
+    predicted = tokenizer.decode([tokens[i + 1] for i in range(len(tokens)) if mask[i]])
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert predicted == "<|im_end|>".join(replies) + "<|im_end|>"
+    first_reply = mask.index(True)
+    short = format_conversation(tokenizer, messages, max_len=first_reply + 5)
+    assert len(short.tokens) == first_reply + 5 and short.loss_mask.sum() == 4 and not short.loss_mask[-1]
+    assert format_conversation(tokenizer, messages, max_len=first_reply) is None  # no reply left
+
+
+def test_shuffle_is_deterministic(tiny_target, sharegpt):
+    first = ShareGPTExamples(tiny_target.tokenizer, 64, seed=3, path=sharegpt)
+    again = ShareGPTExamples(tiny_target.tokenizer, 64, seed=3, path=sharegpt)
+    other = ShareGPTExamples(tiny_target.tokenizer, 64, seed=4, path=sharegpt)
+    assert first.conversations == again.conversations != other.conversations
+
+
+def test_real_sharegpt_package_loads():
+    conversations = read_sharegpt()
+    assert len(conversations) > 10_000
+    assert all(c[0]["role"] == "user" and any(m["role"] == "assistant" for m in c) for c in conversations[:500])
+
+
+# ---------------------------------------------------------------------- loop
+def test_learning_rate_schedule():
+    cfg = loop_module.LoopConfig(max_steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert loop_module.learning_rate(0, cfg) == pytest.approx(0.1)
+    assert loop_module.learning_rate(9, cfg) == pytest.approx(1.0)
+    assert loop_module.learning_rate(100, cfg) == pytest.approx(0.1)
+    rates = [loop_module.learning_rate(s, cfg) for s in range(10, 100)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_target, sharegpt, tmp_path, monkeypatch):
+    whole = train_draft_lm(tiny_target, _settings(tmp_path / "whole", sharegpt))
+    assert whole["steps"] == 4 and whole["resumed_from"] is None
+
+    calls = {"n": 0}
+    real_loss = DraftDistillation.loss
+
+    def interrupted(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # killed during step 3, after step 2's checkpoint
+        return real_loss(self, batch)
+
+    monkeypatch.setattr(DraftDistillation, "loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft_lm(tiny_target, _settings(tmp_path / "split", sharegpt))
+    monkeypatch.setattr(DraftDistillation, "loss", real_loss)
+    assert len(loop_module.read_log(tmp_path / "split")) == 2
+    resumed = train_draft_lm(tiny_target, _settings(tmp_path / "split", sharegpt))
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+
+    expected = loop_module.read_log(tmp_path / "whole")
+    got = loop_module.read_log(tmp_path / "split")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for want, have in zip(expected, got, strict=True):
+        for key in ("loss", "kl", "acc", "lr", "grad_norm", "tokens"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+def test_resume_with_other_settings_is_refused(tiny_target, sharegpt, tmp_path):
+    train_draft_lm(tiny_target, _settings(tmp_path / "run", sharegpt, max_steps=1))
+    with pytest.raises(BenchError, match="other settings"):
+        train_draft_lm(tiny_target, _settings(tmp_path / "run", sharegpt, max_steps=2, batch_size=3))
+    extended = train_draft_lm(tiny_target, _settings(tmp_path / "run", sharegpt, max_steps=2))
+    assert extended["resumed_from"] == 1 and extended["steps"] == 2  # more steps is allowed
+
+
+def test_unknown_training_option(tiny_target, sharegpt, tmp_path):
+    with pytest.raises(BenchError, match="unknown sps training option"):
+        train_draft_lm(tiny_target, _settings(tmp_path / "x", sharegpt, options={"layers": 2}))
+
+
+# -------------------------------------------------------------------- export
+def test_exported_drafter_matches_the_trained_student(tiny_target, sharegpt, tmp_path):
+    from methods.sps import load_draft_engine
+
+    out = tmp_path / "drafter"
+    train_draft_lm(tiny_target, _settings(out, sharegpt, max_steps=2))
+    manifest = json.loads((out / "drafter.json").read_text())
+    assert manifest["target"]["fingerprint"] == tiny_target.fingerprint
+    assert manifest["training"]["steps"] == 2 and manifest["architecture"]["num_hidden_layers"] == 1
+    assert {"first_10_steps", "last_10_steps", "git_sha", "reply_tokens_seen"} <= set(manifest["training"])
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in stored.values())
+    assert not any(k.startswith(("model.embed_tokens", "lm_head")) for k in stored)  # shared, not stored
+
+    # The draft engine built from the export computes what the student (bf16-rounded) computes.
+    objective = DraftDistillation(tiny_target, _draft_settings(), "cpu")
+    objective.student.load_state_dict({k: v.float() for k, v in stored.items()}, strict=False)
+    draft, _ = load_draft_engine(tiny_target, out)
+    tokens = torch.tensor([1, 504, 3213, 28, 1790, 12])
+    with torch.no_grad():
+        want = objective.student(tokens[None]).logits[0]
+    assert (draft.prefill(tokens, logits_rows="all").logits - want).abs().max() < 1e-4
+
+
+def _draft_settings():
+    from bench.training.draft_lm import DraftLMSettings
+
+    return DraftLMSettings(**FP32)
+
+
+def test_init_from_target_layers(tiny_target):
+    from bench.target import load_state_dict
+
+    objective = DraftDistillation(tiny_target, _draft_settings(), "cpu")
+    state = load_state_dict(tiny_target.path)
+    student = objective.student.state_dict()
+    assert torch.equal(student["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(student["lm_head.weight"], state["lm_head.weight"])
+    trainable = {n for n, _ in objective.named_parameters()}
+    assert "model.norm.weight" in trainable and not any(n.startswith(("lm_head", "model.embed")) for n in trainable)
+
+
+# ----------------------------------------------------------------------- cli
+def test_cli_train_needs_a_trainable_method():
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--method", "ar"])
+    assert result.exit_code == 2 and "nothing to train" in result.output
+
+
+def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
+    """`bench train` on the real ShareGPT file for one step, then `bench run --drafter`."""
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    out = tmp_path / "drafter"
+    target = str(tiny_target.path)
+    result = CliRunner().invoke(main, ["train", "--method", "sps", "--target", target, "--out", str(out),
+                                       "--max-steps", "1", "--batch-size", "1", "--max-len", "48",
+                                       "--option", "num_layers=1"])
+    assert result.exit_code == 0, result.output
+    assert (out / "drafter.json").exists()
+    result = CliRunner().invoke(main, ["run", "--method", "sps", "--task", str(tiny_task), "--target", target,
+                                       "--drafter", str(out), "--max-new-tokens", "12",
+                                       "--results-dir", str(tmp_path / "results")])
+    assert result.exit_code == 0, result.output
+    assert "100.0% of turns match" in result.output
