@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 from bench.draft import Draft
 from bench.engine import Engine, ForwardOutput
@@ -156,12 +155,6 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
         tokens=state.generated[:keep], stop_reason=reason, ttft=first_at - started,
         decode_time=finished - first_at, draft_time=draft_time, verify_time=verify_time,
         proposed_lengths=proposed, accept_lengths=accepted_counts, tree_sizes=sizes)
-
-
-def hidden_rows(out: ForwardOutput, rows: list[int]) -> dict[int, Tensor]:
-    """Tapped features of the committed rows of a verify pass."""
-    index = torch.tensor(rows, device=out.logits.device)
-    return {layer: h[index] for layer, h in out.hidden.items()}
 
 
 class LoopDecoder:

@@ -62,3 +62,14 @@ def offline(monkeypatch, tmp_path) -> list[str]:
     monkeypatch.delenv("BENCH_DATA_DIR", raising=False)
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
     return requested
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny forwards: intra-op threads only add contention."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -73,3 +73,23 @@ def write_sharegpt(path: Path, conversations: int = 12, truncated: bool = True) 
         text = text[: len(text) - 40]  # the last entry is incomplete
     path.write_text(text)
     return path
+
+
+def three_token_joint(engine, prompt: list[int], cfg) -> tuple[dict[tuple, int], list[float]]:
+    """The target's p(a) p(b|a) p(c|ab) over its (warped) support: cell index and probability."""
+    from bench.sampling import probabilities
+
+    def p(context: list[int]) -> torch.Tensor:
+        return probabilities(engine.prefill(torch.tensor(prompt + context)).logits[-1], cfg).double()
+
+    index: dict[tuple, int] = {}
+    joint: list[float] = []
+    first = p([])
+    for a in first.nonzero().squeeze(-1).tolist():
+        second = p([a])
+        for b in second.nonzero().squeeze(-1).tolist():
+            third = p([a, b])
+            for c in third.nonzero().squeeze(-1).tolist():
+                index[(a, b, c)] = len(joint)
+                joint.append(float(first[a] * second[b] * third[c]))
+    return index, joint

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft
-from torch import Tensor
+from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft, three_token_joint
 
 from bench.runner import DecodeConfig, Drafter, decode
 from bench.sampling import SamplingConfig
@@ -68,31 +67,15 @@ def test_tree_levels_see_only_their_ancestors(tiny_target):
 
 @pytest.mark.slow  # ~30-60 s on 2 cores
 @pytest.mark.parametrize("mode", ["sample", "sample_wor", "topk"])
-def test_sampled_tree_follows_the_target_distribution(tiny_target, mode):
+def test_sampled_tree_follows_the_target_distribution(tiny_target, mode, one_thread):
     """Chi-square on the first three generated tokens at T=1, top-k 3, against
     p(a) p(b|a) p(c|ab): a comes from the prefill, b and c from the first tree (depth 2)."""
     from test_lossless_stats import ALPHA, chi_square_pvalue
 
-    from bench.sampling import probabilities
-
-    torch.set_num_threads(1)
     cfg = SamplingConfig(temperature=1.0, top_k=3)
     prompt = PROMPTS[0]
     engine = tiny_target.engine
-
-    def p(context: list[int]) -> Tensor:
-        return probabilities(engine.prefill(torch.tensor(prompt + context)).logits[-1], cfg).double()
-
-    first = p([])
-    index: dict[tuple, int] = {}
-    joint = []
-    for a in first.nonzero().squeeze(-1).tolist():
-        second = p([a])
-        for b in second.nonzero().squeeze(-1).tolist():
-            third = p([a, b])
-            for c in third.nonzero().squeeze(-1).tolist():
-                index[(a, b, c)] = len(joint)
-                joint.append(float(first[a] * second[b] * third[c]))
+    index, joint = three_token_joint(engine, prompt, cfg)
     drafter = SpecInferDrafter(noisy_draft(tiny_target, 0.3), (3, 2), mode)
     counts = torch.zeros(len(joint) + 1)
     generator = torch.Generator().manual_seed(0)

@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft
-from torch import Tensor
+from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft, three_token_joint
 
 from bench.draft import Draft
 from bench.drafters import MANIFEST, find_drafter, shipped_dir
@@ -248,26 +247,10 @@ def test_sampled_sps_follows_the_target_distribution(tiny_target, one_thread):
     without the top-k cut, fails this test."""
     from test_lossless_stats import ALPHA, chi_square_pvalue
 
-    from bench.sampling import probabilities
-
     cfg = SamplingConfig(temperature=1.0, top_k=3)
     prompt = PROMPTS[0]
     engine = tiny_target.engine
-
-    def p(context: list[int]) -> Tensor:
-        return probabilities(engine.prefill(torch.tensor(prompt + context)).logits[-1], cfg).double()
-
-    first = p([])
-    support = first.nonzero().squeeze(-1).tolist()
-    index: dict[tuple, int] = {}
-    joint = []
-    for a in support:
-        second = p([a])
-        for b in second.nonzero().squeeze(-1).tolist():
-            third = p([a, b])
-            for c in third.nonzero().squeeze(-1).tolist():
-                index[(a, b, c)] = len(joint)
-                joint.append(float(first[a] * second[b] * third[c]))
+    index, joint = three_token_joint(engine, prompt, cfg)
     drafter = SpsDrafter(noisy_draft(tiny_target, 0.3), 2)  # accepts ~30% of drafts
     counts = torch.zeros(len(joint) + 1)  # last cell: outside the target's support
     generator = torch.Generator().manual_seed(0)
