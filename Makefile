@@ -32,9 +32,11 @@ lint: $(STAMP)
 peers: $(STAMP)
 	$(BIN)/python -m bench.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
 
-# On a CUDA machine: Triton verification kernels vs the torch reference, and timings.
+# On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
+# then the decode loop on CUDA with random-weight targets of published shapes.
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check
+	$(BIN)/python -m bench.gpu_loop
 
 clean:
 	rm -rf $(VENV)

@@ -161,6 +161,7 @@ def test_verify_dispatch_gives_the_same_verdicts(monkeypatch, cfg):
     for mode in ("torch", "triton"):
         monkeypatch.setattr(verify_module, "TRITON_DEVICES", ("cuda", "cpu") if mode == "triton" else ("cuda",))
         monkeypatch.setattr(verify_module, "use_triton", True)
+        monkeypatch.setattr(verify_module, "triton_greedy", mode == "triton")
         seeded = torch.Generator().manual_seed(99)
         verdicts[mode] = [verify(draft, logits, cfg, seeded) for draft, logits in cases]
     assert verdicts["torch"] == verdicts["triton"]

@@ -1,0 +1,24 @@
+"""Hardware profile and the random-weight engines the GPU check times."""
+
+import torch
+
+from bench.profile import SHAPES, format_profile, random_engine, random_tree_mask, verify_latency
+
+
+def test_random_tree_mask_is_ancestor_closed():
+    mask, depth = random_tree_mask(6, 2, torch.device("cpu"))
+    assert mask.shape == (7, 7) and depth.tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert mask.diagonal().all() and mask[:, 0].all()  # everyone sees itself and the root
+    assert mask[3].tolist() == [True, True, False, True, False, False, False]  # node 3: child of node 1
+    assert not mask.triu(1).any()  # parents come first
+
+
+def test_verify_latency_rows_and_cache_rollback(one_thread):
+    engine = random_engine("smollm2-135m", "cpu", torch.float32)
+    assert engine.vocab_size == SHAPES["smollm2-135m"]["vocab_size"] and engine.num_layers == 30
+    profile = verify_latency(engine, ks=(1, 4), context=16, repeats=2, warmup=1, tree_sizes=(7,))
+    assert [(r["kind"], r["k"]) for r in profile["rows"]] == [("chain", 1), ("chain", 4), ("tree", 7)]
+    assert profile["rows"][0]["ratio_to_k1"] == 1.0
+    assert all(r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in profile["rows"])
+    assert engine.length == 16  # every timed pass was rolled back to the context
+    assert "t(k)/t(1)" in format_profile(profile)
