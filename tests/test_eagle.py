@@ -1,0 +1,211 @@
+"""EAGLE-1/2/3: tree construction, lossless decoding with untrained heads, the head's
+context cache, training and resume, our drafter format and the published formats."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bench.errors import BenchError
+from bench.runner import DecodeConfig, Drafter, decode
+from bench.sampling import SamplingConfig
+from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
+from methods.eagle.model import EagleConfig, EagleHead, rope_theta
+from methods.eagle.train import eagle3_taps, shifted
+
+STATIC = TreeSettings(mode="static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+
+
+def prompt_of(target, text="Write a python function that adds two numbers."):
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def random_head(target, kind, seed=0, draft_vocab=None):
+    torch.manual_seed(seed)
+    layers = target.config.num_hidden_layers
+    taps = eagle3_taps(layers) if kind == "eagle3" else [layers]
+    head = EagleHead(EagleConfig.for_target(target.config, kind, taps, draft_vocab))
+    if draft_vocab:
+        head.draft_to_target.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values)
+    return head
+
+
+def test_tree_from_accuracy_picks_the_best_paths():
+    paths = tree_from_accuracy([0.6, 0.2, 0.1], nodes=4)
+    # values: (0)=.6, (0,0)=.36, (0,0,0)=.216, (1)=.2, (0,1)=.12 ...
+    assert paths == [(0,), (1,), (0, 0), (0, 0, 0)]
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_untrained_heads_are_lossless(default_target, one_thread, kind):
+    target = default_target
+    prompt = prompt_of(target)
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(0.0))
+    reference = decode(target.engine, Drafter(), prompt, config).tokens
+    head = random_head(target, kind, draft_vocab=4096 if kind == "eagle3" else None)
+    for tree in (TreeSettings(total_token=8, depth=4, top_k=3), STATIC):
+        result = decode(target.engine, EagleDrafter(target, head, tree), prompt, config)
+        assert result.tokens == reference
+        assert max(result.tree_sizes) == (7 if tree.mode == "dynamic" else 6)
+    generator = torch.Generator().manual_seed(0)
+    sampled = decode(target.engine, EagleDrafter(target, head, TreeSettings()), prompt,
+                     DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.8)), generator)
+    assert len(sampled.tokens) == 12
+
+
+def test_draft_tokens_come_from_the_draft_vocabulary(default_target):
+    head = random_head(default_target, "eagle3", draft_vocab=512)
+    drafter = EagleDrafter(default_target, head, TreeSettings(total_token=10, depth=3, top_k=3))
+    prompt = prompt_of(default_target)
+    out = default_target.engine.prefill(torch.tensor(prompt), taps=drafter.taps, logits_rows="last")
+    from bench.runner import DecodeState
+
+    state = DecodeState(tokens=prompt + [int(out.logits[-1].argmax())], prompt_len=len(prompt),
+                        engine=default_target.engine, config=DecodeConfig(), generator=None)
+    drafter.begin(state, out)
+    draft = drafter.propose(state)
+    allowed = set(head.draft_to_target.tolist())
+    assert len(draft) == 9 and set(draft.tokens) <= allowed
+    depths = draft.depths()
+    assert max(depths) <= 3 and depths == sorted(depths)
+
+
+def test_context_cache_matches_a_fresh_pass(default_target, one_thread):
+    """After decoding, the head's context rows (fed round by round from verify passes)
+    equal one causal pass over all (feature, next token) pairs of the final sequence."""
+    target = default_target
+    head = random_head(target, "eagle1", seed=3)
+    drafter = EagleDrafter(target, head, TreeSettings(total_token=6, depth=3, top_k=2))
+    prompt = prompt_of(target)
+    result = decode(target.engine, drafter, prompt, DecodeConfig(max_new_tokens=16, sampling=SamplingConfig(0.0)))
+    tokens = prompt + result.tokens
+    rows = drafter.context_rows  # every committed row but the last round's (no accept after the end)
+    assert len(prompt) <= rows < len(tokens) - 1
+    features = target.engine.prefill(torch.tensor(tokens), taps=(30,), logits_rows="none").hidden[30][:rows]
+    with torch.no_grad():
+        embeds = torch.nn.functional.embedding(torch.tensor(tokens[1: rows + 1]), target.engine.embed)
+        hidden = head.fuse([features], embeds)
+        q, k, v = head.qkv(hidden[None], embeds[None], torch.arange(rows))
+    torch.testing.assert_close(drafter.cache.k[:, :, :rows], k, atol=2e-3, rtol=1e-3)
+
+
+def test_shifted():
+    x = torch.arange(6).view(1, 6)
+    assert shifted(x, 2).tolist() == [[2, 3, 4, 5, 0, 0]]
+    assert shifted(x, 0).tolist() == x.tolist()
+
+
+@pytest.fixture
+def tiny_training(default_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    from bench.training import TrainSettings
+
+    def make(kind, steps, out):
+        return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
+                             progress=False, checkpoint_every_s=1e9,
+                             options={"feature_tokens": 1500, "draft_vocab": 1024, "ttt_steps": 2})
+    return make
+
+
+@pytest.mark.parametrize("kind,method", [("eagle1", "eagle"), ("eagle3", "eagle3")])
+def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, kind, method):
+    import methods
+    from methods.eagle.train import train_eagle
+
+    first = train_eagle(default_target, tiny_training(kind, 2, method), kind, method)
+    assert first["steps"] == 2 and first["resumed_from"] is None
+    second = train_eagle(default_target, tiny_training(kind, 3, method), kind, method)
+    assert second["resumed_from"] == 2 and second["steps"] == 3
+    folder = tiny_training(kind, 3, method).out_dir
+    manifest = json.loads((folder / "drafter.json").read_text())
+    assert manifest["target"]["fingerprint"] == default_target.fingerprint
+    assert manifest["training"]["steps"] == 3 and len(manifest["heldout_rank_accuracy"]["step0"]) == 10
+    names = ["eagle", "eagle2"] if kind == "eagle1" else ["eagle3"]
+    prompt = prompt_of(default_target)
+    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
+    reference = decode(default_target.engine, Drafter(), prompt, config).tokens
+    for name in names:
+        decoder = methods.build_decoder(name, default_target, {"drafter": str(folder)})
+        assert decoder.run_turn(prompt, config).tokens == reference
+    wrong = "eagle3" if kind == "eagle1" else "eagle"
+    with pytest.raises(BenchError, match="head"):
+        methods.build_decoder(wrong, default_target, {"drafter": str(folder)})
+
+
+def test_a_drafter_for_other_weights_is_refused(default_target, tmp_path):
+    import methods
+    from methods.eagle.train import export_head
+
+    head = random_head(default_target, "eagle1")
+    export_head(head, tmp_path, {"method": "eagle", "target": {"name": "x", "fingerprint": "0" * 16,
+                                                             "vocab_size": default_target.config.vocab_size}})
+    with pytest.raises(BenchError, match="trained for target"):
+        methods.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    manifest = json.loads((tmp_path / "drafter.json").read_text())
+    manifest["target"]["fingerprint"] = default_target.fingerprint
+    (tmp_path / "drafter.json").write_text(json.dumps(manifest))
+    with pytest.raises(BenchError, match="corrupt"):
+        methods.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
+
+
+def _published_folder(folder, head, target, kind):
+    """Write `head` in SafeAILab/EAGLE's layout (names, config fields)."""
+    sd = {k: v.clone() for k, v in head.state_dict().items()}
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    weights = {"fc.weight": sd["fc.weight"]}
+    for p in "qkvo":
+        weights[f"{prefix}self_attn.{p}_proj.weight"] = sd[f"{p}_proj.weight"]
+    for p in ("gate", "up", "down"):
+        weights[f"{prefix}mlp.{p}_proj.weight"] = sd[f"{p}_proj.weight"]
+    weights[f"{prefix}post_attention_layernorm.weight"] = sd["post_norm"]
+    c = target.config
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size, "num_hidden_layers": 1,
+              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+              "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": rope_theta(c)}
+    if kind == "eagle3":
+        weights.update({"midlayer.input_layernorm.weight": sd["embed_norm"],
+                        "midlayer.hidden_norm.weight": sd["hidden_norm"], "norm.weight": sd["final_norm"],
+                        "lm_head.weight": sd["lm_head.weight"]})
+        draft_ids = sd["draft_to_target"]
+        weights["d2t"] = draft_ids - torch.arange(draft_ids.numel())
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        weights["t2d"] = t2d
+        config["draft_vocab_size"] = int(draft_ids.numel())
+    else:
+        weights["fc.bias"] = sd["fc.bias"]
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_published_layout_loads_the_same_head(default_target, tmp_path, kind):
+    from methods.eagle.published import load_published
+
+    source = random_head(default_target, kind, seed=5, draft_vocab=2048 if kind == "eagle3" else None)
+    if kind == "eagle1":
+        source.config.norm_hidden = False  # published EAGLE-1 heads have no input norm
+    _published_folder(tmp_path, source, default_target, kind)
+    loaded, manifest = load_published(default_target, tmp_path, kind)
+    assert manifest["published"] == str(tmp_path)
+    hidden, embeds = torch.randn(5, 576), torch.randn(5, 576)
+    with torch.no_grad():
+        expected = source.logits(source.forward_train(hidden[None], embeds[None], torch.arange(5)[None]),
+                                 default_target.engine.lm_head)
+        got = loaded.logits(loaded.forward_train(hidden[None], embeds[None], torch.arange(5)[None]),
+                            default_target.engine.lm_head)
+    torch.testing.assert_close(got, expected)
+    if kind == "eagle3":
+        assert torch.equal(loaded.draft_to_target, source.draft_to_target)
+    other = "eagle3" if kind == "eagle1" else "eagle1"
+    with pytest.raises(BenchError, match="holds an"):
+        load_published(default_target, tmp_path, other)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(BenchError, match="has no"):
+        load_published(default_target, tmp_path, kind)
