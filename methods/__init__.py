@@ -31,6 +31,10 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
                trained=True),
     MethodInfo("specinfer", "methods.specinfer", "SpecInfer token trees from the SpS draft model (top-k or sampled)",
                trained=True),
+    MethodInfo("eagle", "methods.eagle", "EAGLE-1: feature-level AR head, static tree", trained=True),
+    MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True),
+    MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
+               trained=True),
 ]}
 
 
