@@ -32,19 +32,27 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
     return rows
 
 
+def format_table(rows: list[dict]) -> str:
+    lines = ["| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round | tok/s | exact match | near ties "
+             "| mismatches | speedup [95% CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
+        low, high = row.get("speedup_ci") or (float("nan"), float("nan"))
+        lines.append(f"| {row['task']} | {row['method']} | {row['turns']} | {row['tau']:.2f} | "
+                     + " | ".join(f"{a:.2f}" for a in accept)
+                     + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['tokens_per_s']:.1f}"
+                     + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
+                     f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] |")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--tag", default=None)
 def main(results_dir: str, target: str, tag: str | None) -> None:
-    click.echo("| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | exact match | near ties | mismatches | speedup |")
-    click.echo("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in summary_rows(Path(results_dir), target, tag):
-        accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
-        click.echo(f"| {row['task']} | {row['method']} | {row['turns']} | {row['tau']:.2f} | "
-                   + " | ".join(f"{a:.2f}" for a in accept)
-                   + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
-                   f"{row['speedup']:.2f}x |")
+    click.echo(format_table(summary_rows(Path(results_dir), target, tag)))
 
 
 if __name__ == "__main__":
