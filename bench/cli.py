@@ -142,6 +142,45 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
                f"log {summary['log']}")
 
 
+@main.command()
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
+@click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--context", type=click.IntRange(min=1), default=512, show_default=True, help="tokens before the pass")
+@click.option("--ks", default="1,2,3,4,6,8,12,16,24,32,48,64", show_default=True, help="chain lengths")
+@click.option("--trees", default="8,16,32,64", show_default=True, help="tree sizes (top-2 trees)")
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--results-dir", default="results", show_default=True)
+def profile(target, device, dtype, context, ks, trees, repeats, results_dir) -> None:
+    """Measure the target's verification latency t_v(k) on this device and store it."""
+    from pathlib import Path
+
+    from bench.profile import format_profile, verify_latency
+    from bench.records import provenance
+    from bench.run import check_device
+    from bench.target import default_device, load_target
+
+    def numbers(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x)
+        except ValueError:
+            raise BenchError(f"expected comma-separated integers, got '{text}'") from None
+
+    check_device(device)
+    device = device or default_device()
+    loaded = load_target(target, device, dtype)
+    result = verify_latency(loaded.engine, numbers(ks), context, repeats, tree_sizes=numbers(trees), progress=True)
+    record = {"target": loaded.name, "fingerprint": loaded.fingerprint, "dtype": dtype, "repeats": repeats,
+              "provenance": provenance(device), **result}
+    path = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    click.echo(format_profile(result))
+    click.echo(f"profile: {path}")
+
+
 @main.command(name="list")
 def list_cmd() -> None:
     """Show methods, tasks, targets and trained drafters."""

@@ -22,3 +22,20 @@ def test_verify_latency_rows_and_cache_rollback(one_thread):
     assert all(r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in profile["rows"])
     assert engine.length == 16  # every timed pass was rolled back to the context
     assert "t(k)/t(1)" in format_profile(profile)
+
+
+def test_bench_profile_stores_a_record(tmp_path, one_thread):
+    import json
+
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--ks", "1,3", "--trees", "5", "--repeats", "2",
+                                       "--context", "16", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "smollm2-135m" / "profile" / "cpu-float32.json").read_text())
+    assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
+    assert record["fingerprint"] and record["context"] == 16
+    bad = CliRunner().invoke(main, ["profile", "--ks", "1,x"])
+    assert bad.exit_code == 2 and "comma-separated" in bad.output
