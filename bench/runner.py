@@ -60,6 +60,13 @@ class Drafter:
     def propose(self, state: DecodeState) -> Draft:
         return Draft.empty()
 
+    def verify(self, draft: Draft, logits: torch.Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None) -> Verdict:
+        """The round's acceptance rule: the shared lossless verifier, unless a method
+        overrides it (a lossy rule, such as Medusa's typical acceptance, must also set
+        `lossless = False` so its records are kept out of lossless tables)."""
+        return verify(draft, logits, sampling, generator)
+
     def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
                rows: list[int]) -> None:
         """Learn from the verified round. `rows` are the verify-pass rows now committed
@@ -133,7 +140,7 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
         start = engine.length
         tokens, positions, mask = draft.verify_inputs(state.root, start)
         out = engine.forward(tokens, positions, mask, taps=drafter.taps)
-        verdict = verify(draft, out.logits[: len(draft) + 1], config.sampling, generator)
+        verdict = drafter.verify(draft, out.logits[: len(draft) + 1], config.sampling, generator)
         rows = [0] + [node + 1 for node in verdict.accepted]
         engine.keep(start, rows)
         _sync(device)
