@@ -163,7 +163,8 @@ class EagleObjective:
         token_loss = -(target_probs * log_q).sum(-1).mean()
         loss = s.feature_weight * feature_loss + s.token_weight * token_loss
         acc = float((log_q.argmax(-1) == target_probs.argmax(-1)).float().mean())
-        return loss, {"feature": float(feature_loss), "ce": float(token_loss), "acc": acc, "tokens": int(valid.sum())}
+        return loss, {"feature": float(feature_loss.detach()), "ce": float(token_loss.detach()), "acc": acc,
+                      "tokens": int(valid.sum())}
 
     def _ttt_attention(self, q: Tensor, k0: Tensor, v0: Tensor, diagonal: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Queries [B,H,T,hd] over step-0 keys (causal) and the same position's keys of
