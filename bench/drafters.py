@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from bench.errors import BenchError
 from bench.target import cache_dir
 
@@ -81,3 +83,18 @@ def list_drafters() -> list[tuple[str, str, str, Path]]:
             folder = manifest.parent
             found.append((folder.parent.name, folder.name, kind, folder))
     return found
+
+
+def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict) -> None:
+    """Write model.safetensors and drafter.json into `folder`, weights first and the
+    manifest last, each by rename from a temp folder: a reader never sees half a drafter."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder / ".export.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    (tmp / WEIGHTS).replace(folder / WEIGHTS)
+    (tmp / MANIFEST).replace(folder / MANIFEST)
+    tmp.rmdir()

@@ -77,12 +77,12 @@ class KVCache:
         self.crop(start + len(kept))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # Same arithmetic as HF's LlamaRMSNorm: normalise in fp32, scale in the model dtype.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -229,17 +229,17 @@ class Engine:
         kv_size = self.num_kv_heads * self.head_dim
         k_cache, v_cache = self.cache.k, self.cache.v
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["in_norm"], self.eps)
+            h = rms_norm(x, layer["in_norm"], self.eps)
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = q.view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             if layer["q_norm"] is not None:  # Qwen3 per-head norms, before RoPE
-                q = _rms_norm(q, layer["q_norm"], self.eps)
-                k = _rms_norm(k, layer["k_norm"], self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = rms_norm(q, layer["q_norm"], self.eps)
+                k = rms_norm(k, layer["k_norm"], self.eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
             attn = F.scaled_dot_product_attention(
@@ -247,13 +247,13 @@ class Engine:
                 is_causal=is_causal, scale=self.scale, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(1, n, q_size)
             x = x + F.linear(attn, layer["o"])
-            h = _rms_norm(x, layer["post_norm"], self.eps)
+            h = rms_norm(x, layer["post_norm"], self.eps)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
             if i + 1 in taps and i + 1 < self.num_layers:
                 hidden[i + 1] = x[0]
         self.cache.length = total
-        x = _rms_norm(x, self.final_norm, self.eps)[0]
+        x = rms_norm(x, self.final_norm, self.eps)[0]
         if self.num_layers in taps:
             hidden[self.num_layers] = x
         if isinstance(logits_rows, str):

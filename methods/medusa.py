@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench.draft import Draft
-from bench.drafters import MANIFEST, WEIGHTS, check_target, find_drafter, read_manifest
+from bench.drafters import MANIFEST, WEIGHTS, check_target, find_drafter, read_manifest, write_drafter
 from bench.engine import ForwardOutput
 from bench.errors import BenchError
 from bench.runner import DecodeState, Drafter, LoopDecoder
@@ -738,22 +738,13 @@ def train(target, settings) -> dict:
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }
-        _export_atomically(heads, out_dir, manifest)
+        export_heads(heads, out_dir, manifest)
 
     summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
     summary["drafter"] = str(out_dir)
     return summary
 
 
-def _export_atomically(heads: MedusaHeads, out_dir: Path, manifest: dict) -> None:
-    """Weights first, manifest last, each by rename: a reader never sees half a drafter."""
-    from safetensors.torch import save_file
-
-    tmp = out_dir / ".export.tmp"
-    tmp.mkdir(exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).cpu().contiguous() for k, v in heads.export_state().items()},
-              str(tmp / WEIGHTS))
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    (tmp / WEIGHTS).replace(out_dir / WEIGHTS)
-    (tmp / MANIFEST).replace(out_dir / MANIFEST)
-    tmp.rmdir()
+def export_heads(heads: MedusaHeads, folder: Path, manifest: dict) -> None:
+    """Our drafter folder: the heads' weights in bf16 and the manifest."""
+    write_drafter(folder, {k: v.to(torch.bfloat16) for k, v in heads.export_state().items()}, manifest)

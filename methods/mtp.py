@@ -73,7 +73,6 @@ difference that short; the last layer stays the default (see init_model).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -83,8 +82,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench.draft import Draft
-from bench.drafters import MANIFEST, WEIGHTS, check_target, find_drafter, read_manifest, user_dir
-from bench.engine import ForwardOutput, KVCache
+from bench.drafters import WEIGHTS, check_target, find_drafter, read_manifest, user_dir, write_drafter
+from bench.engine import ForwardOutput, KVCache, rms_norm, rotate_half
 from bench.errors import BenchError
 from bench.runner import DecodeState, Drafter, LoopDecoder
 from bench.sampling import process_logits, sample_from
@@ -102,16 +101,6 @@ def drafter_key(variant: str) -> str:
 
 
 # ======================================================================= model
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rope:
     """The target's rotary embedding (its inverse frequencies and scaling), any dtype."""
 
@@ -185,7 +174,7 @@ class DecoderLayer(nn.Module):
         v = v.view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, s.rms_norm_eps), rms_norm(k, self.k_norm, s.rms_norm_eps)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, x: Tensor, attn: Tensor) -> Tensor:
         """Residual attention output, then the MLP block: x [1, n, d], attn [1, heads, n, hd]."""
@@ -810,21 +799,8 @@ class MtpObjective:
                 "kl": [round(float(v), 4) for v in total[:, 0] / rows], "rows": int(total[0, 3])}
 
     def export(self, folder: Path, manifest: dict) -> None:
-        from safetensors.torch import save_file
+        write_drafter(folder, {n: p.to(torch.bfloat16) for n, p in self.model.named_parameters()}, manifest)
 
-        weights = {n: p.detach().to(torch.bfloat16).contiguous().cpu() for n, p in self.model.named_parameters()}
-        save_file(weights, str(Path(folder) / WEIGHTS))
-        (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-
-
-def _export_atomically(objective: MtpObjective, out_dir: Path, manifest: dict) -> None:
-    """Weights first, manifest last, each by rename: a reader never sees half a drafter."""
-    tmp = out_dir / ".export.tmp"
-    tmp.mkdir(exist_ok=True)
-    objective.export(tmp, manifest)
-    (tmp / WEIGHTS).replace(out_dir / WEIGHTS)
-    (tmp / MANIFEST).replace(out_dir / MANIFEST)
-    tmp.rmdir()
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -911,7 +887,7 @@ def train(target, settings) -> dict:
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }
-        _export_atomically(objective, out_dir, manifest)
+        objective.export(out_dir, manifest)
 
     summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
     summary["drafter"] = str(out_dir)

@@ -65,7 +65,7 @@ def save_ours(folder: Path, target, heads: MedusaHeads, paths=None, accuracy=Non
         manifest["accuracy"] = {"topk": accuracy}
     if paths is not None:
         manifest["tree"] = {"paths": [list(p) for p in paths]}
-    medusa._export_atomically(heads, folder, manifest)
+    medusa.export_heads(heads, folder, manifest)
     return folder
 
 
@@ -316,7 +316,7 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
     straight = medusa.train(tiny_target, _train_settings(tmp_path / "straight", data, 4))
     assert straight["steps"] == 4 and straight["resumed_from"] is None
 
-    real_export = medusa._export_atomically
+    real_export = medusa.export_heads
     calls = []
 
     def interrupted(*args):
@@ -325,10 +325,10 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
         if len(calls) == 2:
             raise KeyboardInterrupt  # killed right after the step-2 checkpoint
 
-    monkeypatch.setattr(medusa, "_export_atomically", interrupted)
+    monkeypatch.setattr(medusa, "export_heads", interrupted)
     with pytest.raises(KeyboardInterrupt):
         medusa.train(tiny_target, _train_settings(tmp_path / "resumed", data, 4))
-    monkeypatch.setattr(medusa, "_export_atomically", real_export)
+    monkeypatch.setattr(medusa, "export_heads", real_export)
     resumed = medusa.train(tiny_target, _train_settings(tmp_path / "resumed", data, 4))
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
     from safetensors.torch import load_file

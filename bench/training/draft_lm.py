@@ -10,7 +10,6 @@ target's logits are computed on the fly with the compact engine (no grad).
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,10 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor
 
-from bench.drafters import MANIFEST, WEIGHTS
+from bench.drafters import WEIGHTS, write_drafter
 from bench.engine import Engine
 from bench.errors import BenchError
 from bench.target import load_state_dict, parse_dtype
@@ -131,13 +129,11 @@ class DraftDistillation:
 
     def export(self, folder: Path, manifest: dict) -> None:
         """Write the shippable drafter: non-shared weights in bf16 + drafter.json."""
-        weights = {n: p.detach().to(torch.bfloat16).contiguous().cpu() for n, p in self.named_parameters()}
-        save_file(weights, str(Path(folder) / WEIGHTS))
+        weights = {n: p.to(torch.bfloat16) for n, p in self.named_parameters()}
         config = self.config.to_dict()
         config.pop("transformers_version", None)
-        manifest = dict(manifest, format=FORMAT, architecture=config, shared=list(SHARED),
-                        draft_settings=asdict(self.settings))
-        (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+        write_drafter(folder, weights, dict(manifest, format=FORMAT, architecture=config, shared=list(SHARED),
+                                            draft_settings=asdict(self.settings)))
 
 
 def git_sha() -> str | None:
@@ -210,18 +206,8 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }
-        _export_atomically(objective, out_dir, manifest)
+        objective.export(out_dir, manifest)
 
     summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
     summary["drafter"] = str(out_dir)
     return summary
-
-
-def _export_atomically(objective: DraftDistillation, out_dir: Path, manifest: dict) -> None:
-    """Weights first, manifest last, each by rename: a reader never sees half a drafter."""
-    tmp = out_dir / ".export.tmp"
-    tmp.mkdir(exist_ok=True)
-    objective.export(tmp, manifest)
-    (tmp / WEIGHTS).replace(out_dir / WEIGHTS)
-    (tmp / MANIFEST).replace(out_dir / MANIFEST)
-    tmp.rmdir()

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.engine import rms_norm, rotate_half
+
 
 @dataclass
 class EagleConfig:
@@ -62,16 +64,6 @@ def rope_theta(config) -> float:
     if value is None:
         value = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return float(value)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DraftKV:

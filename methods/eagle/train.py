@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor
 
-from bench.drafters import MANIFEST, WEIGHTS
+from bench.drafters import WEIGHTS, write_drafter
 from bench.errors import BenchError
 from bench.training.features import FeatureData, ensure_features
 from methods.eagle.model import EagleConfig, EagleHead
@@ -57,6 +56,7 @@ class EagleTrainSettings:
     feature_tokens: int = FeatureData.max_tokens  # size of the feature cache (tokens)
     max_len: int = FeatureData.max_len
     self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
+    autocast: bool = True  # bf16 matmuls, fp32 master weights and softmaxes (2x faster lm_heads on AVX512-BF16)
 
 
 class FeatureBatches:
@@ -136,9 +136,10 @@ class EagleObjective:
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         batch = {k: v.to(self.embed.device) for k, v in batch.items()}
-        if self.head.config.kind == "eagle3":
-            return self._loss_eagle3(batch)
-        return self._loss_eagle1(batch)
+        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=self.settings.autocast):
+            if self.head.config.kind == "eagle3":
+                return self._loss_eagle3(batch)
+            return self._loss_eagle1(batch)
 
     def _loss_eagle1(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         s = self.settings
@@ -154,12 +155,12 @@ class EagleObjective:
         if not valid.any():
             return predicted.sum() * 0.0, {"tokens": 0}
         f_hat, f = predicted[valid], target_features[valid]
-        feature_loss = F.smooth_l1_loss(f_hat, f)
+        feature_loss = F.smooth_l1_loss(f_hat.float(), f)
         scored = (torch.rand(f.shape[0], generator=self.generator) < s.ce_fraction).to(f.device)
         scored[0] = True  # never an empty CE batch
         with torch.no_grad():
-            target_probs = F.linear(f[scored], self.lm_head).softmax(-1)
-        log_q = F.linear(f_hat[scored], self.lm_head).log_softmax(-1)
+            target_probs = F.linear(f[scored], self.lm_head).float().softmax(-1)
+        log_q = F.linear(f_hat[scored], self.lm_head).float().log_softmax(-1)
         token_loss = -(target_probs * log_q).sum(-1).mean()
         loss = s.feature_weight * feature_loss + s.token_weight * token_loss
         acc = float((log_q.argmax(-1) == target_probs.argmax(-1)).float().mean())
@@ -177,7 +178,7 @@ class EagleObjective:
         causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         extra = [(q * expand(k)).sum(-1, keepdim=True) * scale for k, _ in diagonal]
-        weights = torch.cat([scores] + extra, dim=-1).softmax(-1)
+        weights = torch.cat([scores] + extra, dim=-1).float().softmax(-1)
         out = torch.matmul(weights[..., :width], expand(v0))
         for j, (_, v) in enumerate(diagonal):
             out = out + weights[..., width + j: width + j + 1] * expand(v)
@@ -203,7 +204,7 @@ class EagleObjective:
             argmax_at = torch.zeros(final.shape[:2], dtype=torch.long, device=final.device)
             rows = torch.zeros_like(any_valid)
             rows[:, 1:] = any_valid[:, :-1]  # row t+1 holds the label of position t
-            full = F.linear(final[rows], self.lm_head)
+            full = F.linear(final[rows], self.lm_head).float()
             logits_at[rows] = full[:, draft_ids]
             argmax_at[rows] = full.argmax(-1)
             del full
@@ -298,20 +299,11 @@ def draft_vocabulary(tokens: Tensor, mask: Tensor, size: int, vocab_size: int, a
 
 
 def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
-    """drafter.json + model.safetensors (bf16 weights; the draft vocabulary map as int64).
-    Written to a temp folder and moved in: a reader never sees half a drafter."""
-    folder = Path(folder)
-    tmp = folder / ".export.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in head.named_parameters()}
+    """drafter.json + model.safetensors (bf16 weights; the draft vocabulary map as int64)."""
+    tensors = {n: p.to(torch.bfloat16) for n, p in head.named_parameters()}
     if head.config.kind == "eagle3":
-        tensors["draft_to_target"] = head.draft_to_target.cpu().contiguous()
-    save_file(tensors, str(tmp / WEIGHTS))
-    full = dict(manifest, format=FORMAT, architecture=head.config.to_dict())
-    (tmp / MANIFEST).write_text(json.dumps(full, indent=1, default=str))
-    (tmp / WEIGHTS).replace(folder / WEIGHTS)
-    (tmp / MANIFEST).replace(folder / MANIFEST)
-    tmp.rmdir()
+        tensors["draft_to_target"] = head.draft_to_target
+    write_drafter(folder, tensors, dict(manifest, format=FORMAT, architecture=head.config.to_dict()))
 
 
 def train_eagle(target, settings, kind: str, method: str) -> dict:
@@ -359,6 +351,14 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
             head.draft_to_target.copy_(torch.tensor(json.loads(vocab_file.read_text())))
         else:
             vocab_file.write_text(json.dumps(head.draft_to_target.tolist()))
+
+    if kind == "eagle3":
+        # Start the head's own norm and lm_head as the target's (restricted to the draft
+        # vocabulary): the layer then only has to land in the target's feature space.
+        # A resumed run overwrites these with its checkpoint.
+        with torch.no_grad():
+            head.lm_head.weight.copy_(engine.lm_head[head.draft_to_target.to(engine.lm_head.device)])
+            head.final_norm.copy_(engine.final_norm)
 
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)
