@@ -10,8 +10,10 @@ token tree; training (methods/eagle/train.py) uses cached target features.
     bench run --method eagle2 ...         # same head, dynamic tree (methods/eagle2.py)
 
 Options: drafter (folder; ours or a published EAGLE folder), tree_nodes (static tree size,
-default 10), paths (explicit static tree, e.g. "0;1;0.0;0.1"), dtype (head compute dtype,
-default float32: bf16 is slow on CPUs without native support).
+default 10), paths (explicit static tree, e.g. "0;1;0.0;0.1"), dtype (the head's and
+its lm_head's compute dtype, default bfloat16: a draft level reads the whole lm_head, so
+half the bytes is about half the time; the drafter only proposes, so its precision changes
+acceptance, never the output).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead,
     from methods.eagle.published import is_published, load_published
 
     folder = find_drafter(target.name, method if method != "eagle2" else "eagle", options.get("drafter"))
-    dtype = getattr(torch, str(options.get("dtype", "float32")))
+    dtype = getattr(torch, str(options.get("dtype", "bfloat16")))
     if is_published(folder):
         head, manifest = load_published(target, Path(folder), kind)
         return head.to(device=target.engine.device, dtype=dtype).eval(), manifest

@@ -98,9 +98,11 @@ class EagleDrafter(Drafter):
         self.head = head.eval().requires_grad_(False)
         self.tree = tree
         self.taps = tuple(head.config.taps)
-        self.embed = target.engine.embed
-        self.lm_head = target.engine.lm_head
         self.dtype = head.q_proj.weight.dtype
+        self.embed = target.engine.embed
+        # EAGLE-1/2 project with the target's lm_head; a copy in the head's dtype (bf16 by
+        # default) halves the bytes each draft level reads.
+        self.lm_head = target.engine.lm_head.to(self.dtype)
         self.cache = head.new_cache()
         self.context_rows = 0  # cache rows that are context (the rest are last round's tree)
         self.pending: tuple[list[Tensor], list[int]] = ([], [])  # features and next tokens not yet in the cache

@@ -111,8 +111,8 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
             # draft id -> target id (identity when the draft vocabulary is the full one)
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size or config.vocab_size))
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Not a buffer: module.to(bfloat16) must not round the RoPE frequencies.
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -127,7 +127,7 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat([embeds, taps[0]], dim=-1))
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -146,7 +146,7 @@ class EagleHead(nn.Module):
         k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
         v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim).transpose(-2, -3)
         cos, sin = self.rope(positions)
-        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+        cos, sin = cos.unsqueeze(-3).to(q.dtype), sin.unsqueeze(-3).to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v
