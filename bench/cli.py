@@ -97,7 +97,8 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--max-steps", type=click.IntRange(min=1), default=600, show_default=True,
               help="600 x 4 conversations: about an hour on 2 CPU cores")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="conversations per step")
-@click.option("--max-len", type=click.IntRange(min=16), default=384, show_default=True, help="tokens per conversation")
+@click.option("--max-len", type=click.IntRange(min=16), default=384, show_default=True,
+              help="tokens per conversation (sps; feature drafters use their feature cache's length)")
 @click.option("--lr", type=click.FloatRange(min=0.0, min_open=True), default=1e-3, show_default=True)
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -133,7 +134,7 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
         options=_parse_options(options))
-    click.echo(f"training {method} drafter for {loaded.name} into {settings.out_dir}")
+    click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")
     metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
