@@ -132,37 +132,47 @@ class FeatureStore:
 
 
 # ------------------------------------------------------------------ extraction
-def _conversations(target, data: FeatureData) -> Iterator[tuple[Tensor, Tensor]]:
-    """(tokens, loss_mask) of training conversations, in a fixed order."""
+def _conversations(target, data: FeatureData, skip: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+    """(tokens, loss_mask) of training conversations, in a fixed order, from the
+    `skip`-th on (a resumed extraction skips what its finished shards hold)."""
     from bench.training.data import ShareGPTExamples
 
     examples = ShareGPTExamples(target.tokenizer, data.max_len, data.seed,
                                 path=Path(data.data_path) if data.data_path else None)
     if not data.self_distill:
-        for _, example in examples.iter_from(0):
-            yield example.tokens, example.loss_mask
+        for count, (_, example) in enumerate(examples.iter_from(0)):
+            if count >= skip:
+                yield example.tokens, example.loss_mask
         return
-    yield from _self_distilled(target, examples, data)
+    yield from _self_distilled(target, examples, data, skip)
 
 
-def _self_distilled(target, examples, data: FeatureData, batch_size: int = 16) -> Iterator[tuple[Tensor, Tensor]]:
-    """First user turn of each conversation, answered by the target (greedy, batched)."""
+def _self_distilled(target, examples, data: FeatureData, skip: int = 0,
+                    batch_size: int = 16) -> Iterator[tuple[Tensor, Tensor]]:
+    """First user turn of each conversation, answered by the target (greedy, batched).
+    The first `skip` prompts are passed over without generating their replies."""
     from bench.run import chat_prompt
     from bench.target import load_hf_model
 
-    model = load_hf_model(target.path, str(target.engine.device))
     tokenizer = target.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = set(target.eos_token_ids)
     index = 0
-    while True:
-        prompts = []
-        while len(prompts) < batch_size:
+
+    def next_prompt() -> list[int]:
+        nonlocal index
+        while True:
             messages = examples.conversations[index % len(examples.conversations)]
             index += 1
             prompt = chat_prompt(tokenizer, messages[:1])
             if len(prompt) < data.max_len // 2:
-                prompts.append(prompt)
+                return prompt
+
+    for _ in range(skip):
+        next_prompt()
+    model = load_hf_model(target.path, str(target.engine.device))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = set(target.eos_token_ids)
+    while True:
+        prompts = [next_prompt() for _ in range(batch_size)]
         width = max(map(len, prompts))
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -228,9 +238,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         all_taps = tuple(index["taps"])
         done_tokens = sum(s["tokens"] for s in index["shards"])
         skip = sum(s["sequences"] for s in index["shards"])
-        stream = _conversations(target, data)
-        for _ in range(skip):  # the same order every time: resume after the last full shard
-            next(stream)
+        stream = _conversations(target, data, skip)  # the same order every time: resume after the last full shard
         bar = tqdm(total=data.max_tokens, initial=done_tokens, desc="extracting target features", unit="tok",
                    disable=not progress)
         while done_tokens < data.max_tokens:
