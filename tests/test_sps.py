@@ -229,15 +229,6 @@ def test_shipped_drafter_on_real_target(default_target):
     assert sum(result.accept_lengths) > 0
 
 
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny forwards: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow  # ~15-30 s on 2 cores
 def test_sampled_sps_follows_the_target_distribution(tiny_target, one_thread):
     """Chi-square: the first three generated tokens of sampled SpS (T=1, top-k 3) are
