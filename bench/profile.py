@@ -140,3 +140,32 @@ def format_profile(profile: dict) -> str:
         ratio = f"{row['ratio_to_k1']:.2f}" if row["ratio_to_k1"] else "-"
         lines.append(f"{row['kind']:<6} {row['k']:>4} {row['median_s'] * 1e3:>10.3f} {ratio:>10}")
     return "\n".join(lines)
+
+
+def chain_costs(profile: dict, max_k: int) -> list[float]:
+    """t_v(k) in seconds for k = 0..max_k (index 0 unused, = t_v(1)), linearly
+    interpolated between the profile's measured chain lengths (flat past the last)."""
+    points = sorted((r["k"], r["median_s"]) for r in profile["rows"] if r["kind"] == "chain")
+    if not points:
+        raise ValueError("profile has no chain rows")
+    costs = []
+    for k in range(max_k + 1):
+        k = max(k, 1)
+        below = max((p for p in points if p[0] <= k), default=points[0])
+        above = min((p for p in points if p[0] >= k), default=points[-1])
+        if above[0] == below[0]:
+            costs.append(below[1])
+        else:
+            share = (k - below[0]) / (above[0] - below[0])
+            costs.append(below[1] + share * (above[1] - below[1]))
+    return costs
+
+
+def quick_chain_costs(engine: Engine, max_k: int, context: int = 256, repeats: int = 3) -> list[float]:
+    """A few seconds' measurement of t_v(1..max_k) on this engine (for schedulers that
+    need the verification cost curve when no stored `bench profile` exists).
+    Leaves the engine's cache empty."""
+    ks = tuple(sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < max_k} | {max_k}))
+    profile = verify_latency(engine, ks, context=context, repeats=repeats, warmup=1)
+    engine.reset()
+    return chain_costs(profile, max_k)

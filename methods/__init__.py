@@ -39,6 +39,12 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True),
     MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
                trained=True),
+    MethodInfo("dflash", "methods.dflash", "DFlash: block-diffusion drafter on fused target features, b-token chain",
+               trained=True),
+    MethodInfo("ddtree", "methods.ddtree", "DDTree: best-first tree from one DFlash pass under a node budget",
+               trained=True),
+    MethodInfo("dspark", "methods.dspark", "DSpark: DFlash backbone + Markov and confidence heads, scheduled verify",
+               trained=True),
 ]}
 
 

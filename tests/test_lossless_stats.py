@@ -107,6 +107,24 @@ def chain_sampled(world: World, ctx: tuple, rng: random.Random) -> Draft:
     return Draft.chain(tokens, q=torch.stack(rows))
 
 
+def chain_confidence_cut(world: World, ctx: tuple, rng: random.Random, peek: bool = False) -> Draft:
+    """DSpark's scheduled chain: up to 3 tokens drawn from q; whether position j+1 is
+    drafted depends on the tokens drawn so far (DSpark's confidence c_{j+1} reads x_j),
+    never on x_{j+1} itself. With `peek`, the wrong rule: a drawn token is kept only if it
+    is q's argmax, i.e. the cut looks at the very token it admits."""
+    tokens, rows = [], []
+    for _ in range(3):
+        here = ctx + tuple(tokens)
+        token = world.draw(here, rng)
+        if peek and token != int(world.q(here).argmax()):
+            break
+        rows.append(world.q(here))
+        tokens.append(token)
+        if not peek and (token + len(here)) % 3 == 0:  # the "confidence" of the next slot is low
+            break
+    return Draft.chain(tokens, q=torch.stack(rows) if rows else None)
+
+
 def chain_argmax(world: World, ctx: tuple, rng: random.Random) -> Draft:
     """Deterministic chain (q None) of the draft's argmax tokens, 1 or 2 long."""
     tokens: list[int] = []
@@ -226,6 +244,7 @@ class Mode:
 MODES = [
     Mode("chain-q", chain_sampled, SamplingConfig(temperature=1.0)),
     Mode("chain-q-topk", chain_sampled, SamplingConfig(temperature=0.7, top_k=4), draft_temperature=1.3),
+    Mode("chain-q-confidence-cut", chain_confidence_cut, SamplingConfig(temperature=1.0)),
     Mode("chain-onehot-topp", chain_argmax, SamplingConfig(temperature=1.3, top_p=0.8)),
     Mode("tree-topk", tree_topk, SamplingConfig(temperature=1.0)),
     Mode("tree-topk-topp", tree_topk, SamplingConfig(temperature=0.8, top_p=0.9)),
@@ -263,6 +282,15 @@ def test_detector_has_power(monkeypatch):
     joint = target_joint(world)
     assert chi_square_pvalue(counts.sum(1), joint.sum(1)) < ALPHA
     assert chi_square_pvalue(counts, joint) < ALPHA
+
+
+def test_a_cut_that_peeks_at_the_admitted_token_is_detected():
+    """The counterexample behind DSpark's stop-at-first-non-improvement rule: admitting a
+    drafted token depending on the token itself biases the output towards q's mode."""
+    world = World(SamplingConfig(temperature=1.0), seed=11)
+    counts = first_two_counts(world, lambda w, c, r: chain_confidence_cut(w, c, r, peek=True), TRIALS, seed=1234)
+    joint = target_joint(world)
+    assert chi_square_pvalue(counts.sum(1), joint.sum(1)) < ALPHA
 
 
 def test_chi_square_pvalue_is_calibrated():

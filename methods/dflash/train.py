@@ -1,0 +1,287 @@
+"""Training block drafters (DFlash, DSpark) on cached target features.
+
+Each step takes whole conversations from the feature cache and draws `anchors` random
+anchor positions per conversation among reply positions. The block anchored at a holds
+[x_a, MASK x (b-1)] at positions a..a+b-1; it sees the fused target features strictly
+before a (the target has not run x_a yet at decode time) and its own slots in both
+directions, never another block. Slot i predicts x_{a+i+1}; its label is the target's
+own distribution there, softmax(lm_head(h_L[a+i])), restricted to the draft vocabulary.
+
+Losses, each weighted per slot by exp(-i/decay) (later slots matter less: they are
+verified only if every earlier one survives):
+- DFlash: soft cross-entropy against the target's distribution.
+- DSpark (methods.md §10): 0.1 CE + 0.9 ||p_d - p_t||_1 on the Markov-corrected draft
+  distribution p_d (teacher forcing: x_{i-1} is the data's token), plus
+  BCE(c_i, 1 - TV(p_d, p_t)) for the confidence head, whose inputs are detached so it
+  reads the backbone without steering it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from bench.drafters import WEIGHTS, write_drafter
+from bench.errors import BenchError
+from bench.training.features import FeatureData, ensure_features
+from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
+from methods.eagle.train import FeatureBatches, _coerce, draft_vocabulary
+
+FORMAT = "spec-bench-block-drafter/1"
+
+
+@dataclass
+class BlockTrainSettings:
+    num_layers: int = 2  # DFlash uses 5 for 4-8B targets; 2 keeps a CPU hour and the shipped size small
+    block_size: int = 16
+    taps: int = 5  # target layers fused into the context
+    anchors: int = 24  # blocks per conversation per step
+    decay: float = 0.0  # slot weight exp(-i/decay); 0 = by block size (7 for 16, 4 up to 10)
+    draft_vocab: int = 16384  # rows of the target's lm_head scored (0 = all)
+    markov_rank: int = 0  # DSpark: rank of the bigram correction (0 = DFlash)
+    confidence: bool = False  # DSpark: train the confidence head
+    ce_weight: float = 1.0
+    l1_weight: float = 0.0  # DSpark: 0.9
+    bce_weight: float = 0.0  # DSpark: 1.0
+    feature_tokens: int = FeatureData.max_tokens
+    max_len: int = FeatureData.max_len
+    self_distill: bool = False
+    autocast: bool = True  # bf16 matmuls, fp32 master weights and softmaxes
+
+    def slot_decay(self) -> float:
+        return self.decay or max(4.0, (self.block_size - 2) / 2)
+
+
+DSPARK_DEFAULTS = {"markov_rank": 64, "confidence": True, "ce_weight": 0.1, "l1_weight": 0.9, "bce_weight": 1.0}
+
+
+class BlockObjective:
+    def __init__(self, model: BlockDraftModel, embed: Tensor, lm_head: Tensor, final_tap: int,
+                 settings: BlockTrainSettings) -> None:
+        self.model = model
+        self.embed = embed
+        self.lm_head = lm_head  # the target's rows of the draft vocabulary [Vd, d]
+        self.final_tap = final_tap
+        self.settings = settings
+        vocab = model.draft_to_target
+        self.in_draft_vocab = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=embed.device)
+        self.in_draft_vocab[vocab.to(embed.device)] = True
+        slots = torch.arange(model.config.block_size, dtype=torch.float32, device=embed.device)
+        self.slot_weights = torch.exp(-slots / settings.slot_decay())
+
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def blocks(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Random anchors and everything indexed by them: slot positions [B, A, b], which
+        slots are scored, and the attention mask [B, 1, A*b, T + A*b]."""
+        tokens, mask, lengths = batch["tokens"], batch["mask"], batch["lengths"]
+        size, width = tokens.shape
+        b, count = self.model.config.block_size, self.settings.anchors
+        device = tokens.device
+        positions = torch.arange(width, device=device)
+        candidates = mask & (positions[None] >= 1)
+        # Random scores, best `count` candidates per row: sampling without replacement.
+        scores = torch.rand(size, width, device=device).masked_fill(~candidates, -1.0)
+        top, anchors = scores.topk(min(count, width), dim=1)
+        anchor_ok = top >= 0
+        slot_positions = anchors[:, :, None] + torch.arange(b, device=device)
+        clamped = slot_positions.clamp(max=width - 1)
+        scored = (anchor_ok[:, :, None] & (slot_positions + 1 < lengths[:, None, None])
+                  & torch.gather(mask, 1, clamped.flatten(1)).view_as(clamped))
+        next_tokens = torch.gather(tokens, 1, (clamped + 1).clamp(max=width - 1).flatten(1)).view_as(clamped)
+        scored &= self.in_draft_vocab[next_tokens]  # a token outside the draft vocabulary cannot be drafted
+        blocks = anchors.shape[1]
+        sees_context = positions[None, None, :] < anchors[:, :, None]  # [B, A, T]
+        sees_context = sees_context[:, :, None, :].expand(size, blocks, b, width).reshape(size, blocks * b, width)
+        block_id = torch.arange(blocks, device=device).repeat_interleave(b)
+        sees_block = (block_id[:, None] == block_id[None, :])[None].expand(size, -1, -1)
+        attention = torch.cat([sees_context, sees_block], dim=2)[:, None]
+        return {"anchors": anchors, "slot_positions": clamped, "scored": scored, "attention": attention}
+
+    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        model, c = self.model, self.model.config
+        blocks = self.blocks(batch)
+        size, width = batch["tokens"].shape
+        context = model.context([batch[f"h{t}"] for t in c.taps])
+        context_kv = model.context_kv(context, torch.arange(width, device=context.device)[None].expand(size, -1))
+        anchor_tokens = torch.gather(batch["tokens"], 1, blocks["anchors"])
+        x = model.block_inputs(anchor_tokens, self.embed, c.block_size).flatten(1, 2)
+        positions = blocks["slot_positions"].flatten(1)
+        hidden = model.forward_block(x, positions, context_kv, blocks["attention"])
+        scored = blocks["scored"].flatten(1)
+        rows = positions[scored]
+        batch_rows = torch.arange(size, device=x.device)[:, None].expand_as(positions)[scored]
+        slots = torch.arange(c.block_size, device=x.device).repeat(blocks["anchors"].shape[1])[None].expand(size, -1)
+        final = batch[f"h{self.final_tap}"][batch_rows, rows]
+        return {"hidden": hidden[scored], "teacher": final, "previous": batch["tokens"][batch_rows, rows],
+                "slots": slots[scored]}
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        s, model = self.settings, self.model
+        batch = {k: v.to(self.embed.device) for k, v in batch.items()}
+        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=s.autocast):
+            out = self.forward(batch)
+            if out["hidden"].shape[0] == 0:
+                raise BenchError("no scored positions in a batch: the feature cache holds no replies")
+            logits = F.linear(out["hidden"], self.lm_head).float()
+            with torch.no_grad():
+                teacher = F.linear(out["teacher"], self.lm_head).float().log_softmax(-1)
+            markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
+            if markov is not None:
+                logits = logits + model.markov_bias(markov).float()
+            log_p = logits.log_softmax(-1)
+            p_teacher = teacher.exp()
+            weights = self.slot_weights[out["slots"]]
+            norm = weights.sum()
+            ce = -(p_teacher * log_p).sum(-1)
+            loss = s.ce_weight * (weights * ce).sum() / norm
+            metrics = {"ce": float((weights * ce).sum().detach() / norm)}
+            if s.l1_weight or (model.config.confidence and s.bce_weight):
+                l1 = (log_p.exp() - p_teacher).abs().sum(-1)
+                loss = loss + s.l1_weight * (weights * l1).sum() / norm
+                metrics["tv"] = float(0.5 * l1.detach().mean())
+                if model.config.confidence:
+                    label = (1 - 0.5 * l1).detach().clamp(0, 1)
+                    confidence = model.confidence_logit(out["hidden"].detach(),
+                                                        markov.detach() if markov is not None else None).float()
+                    bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
+                    loss = loss + s.bce_weight * (weights * bce).sum() / norm
+                    metrics["bce"] = float((weights * bce).detach().sum() / norm)
+                    metrics["conf"] = float(torch.sigmoid(confidence.detach()).mean())
+        hits = (logits.argmax(-1) == teacher.argmax(-1)).float()
+        metrics.update(loss=float(loss.detach()), acc=float(hits.mean()))
+        for slot in (0, 1, 3, 7):
+            chosen = out["slots"] == slot
+            if chosen.any():
+                metrics[f"acc{slot}"] = float(hits[chosen].mean())
+        return loss, metrics
+
+
+@torch.no_grad()
+def heldout_slot_accuracy(objective: BlockObjective, batches: FeatureBatches) -> dict:
+    """Per-slot top-1 agreement with the target on held-out conversations (teacher-forced
+    blocks, so slot i is scored as if slots < i were right), and the confidence head's
+    mean prediction vs the measured 1 - TV."""
+    model = objective.model
+    b = model.config.block_size
+    hits, counts = torch.zeros(b), torch.zeros(b)
+    state = torch.get_rng_state()
+    torch.manual_seed(1234)  # the same held-out anchors at every export
+    spans = batches.heldout_spans
+    for i in range(0, len(spans), 4):
+        batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
+        out = objective.forward(batch)
+        logits = F.linear(out["hidden"], objective.lm_head).float()
+        if model.config.markov_rank:
+            logits = logits + model.markov_bias(model.markov_state(out["previous"])).float()
+        teacher = F.linear(out["teacher"], objective.lm_head).float()
+        hit = (logits.argmax(-1) == teacher.argmax(-1)).float().cpu()
+        slots = out["slots"].cpu()
+        hits.index_add_(0, slots, hit)
+        counts.index_add_(0, slots, torch.ones_like(hit))
+    torch.set_rng_state(state)
+    return {"slot_accuracy": [round(float(h / max(1.0, n)), 4) for h, n in zip(hits, counts)],
+            "positions": int(counts.sum())}
+
+
+def export_model(model: BlockDraftModel, folder: Path, manifest: dict) -> None:
+    tensors = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+    tensors["draft_to_target"] = model.draft_to_target
+    write_drafter(folder, tensors, dict(manifest, format=FORMAT, architecture=model.config.to_dict()))
+
+
+def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
+    """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
+    from bench.training import loop
+    from bench.training.draft_lm import git_sha, timestamp
+
+    known = set(BlockTrainSettings.__dataclass_fields__)
+    unknown = sorted(set(settings.options) - known)
+    if unknown:
+        raise BenchError(f"unknown {method} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
+    options = dict(defaults or {})
+    options.update({k: _coerce(v, type(getattr(BlockTrainSettings, k))) for k, v in settings.options.items()})
+    train_settings = BlockTrainSettings(**options)
+    if train_settings.block_size < 2 or train_settings.anchors < 1 or train_settings.num_layers < 1:
+        raise BenchError(f"{method}: block_size must be >= 2, anchors and num_layers >= 1")
+    num_layers = target.config.num_hidden_layers
+    taps = block_taps(num_layers, train_settings.taps)
+    data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
+                       self_distill=train_settings.self_distill,
+                       data_path=str(settings.data_path) if settings.data_path else None)
+    needed = tuple(sorted(set(taps) | {num_layers}))
+    store = ensure_features(target, needed, data, progress=settings.progress)
+    tensors = store.load(needed)
+    vocab = target.config.vocab_size
+    draft_vocab = train_settings.draft_vocab if 0 < train_settings.draft_vocab < vocab else None
+    config = BlockConfig.for_target(target.config, taps, num_layers=train_settings.num_layers,
+                                    block_size=train_settings.block_size, draft_vocab_size=draft_vocab,
+                                    markov_rank=train_settings.markov_rank, confidence=train_settings.confidence)
+    torch.manual_seed(settings.seed)
+    model = BlockDraftModel(config)
+    if draft_vocab:
+        model.draft_to_target.copy_(draft_vocabulary(tensors["tokens"], tensors["loss_mask"], draft_vocab, vocab,
+                                                     target.eos_token_ids))
+    out_dir = Path(settings.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_file = out_dir / "draft_vocab.safetensors"  # data, not a parameter: keep it across resumes
+    if vocab_file.exists():
+        model.draft_to_target.copy_(load_file(str(vocab_file))["draft_to_target"])
+    else:
+        save_file({"draft_to_target": model.draft_to_target.clone()}, str(vocab_file))
+    engine = target.engine
+    with torch.no_grad():
+        model.final_norm.copy_(engine.final_norm)  # the shared lm_head expects the target's output scale
+        model.mask_embed.copy_(engine.embed.float().mean(0))
+    model.to(settings.device)
+    embed = engine.embed.float().to(settings.device)
+    lm_head = engine.lm_head.float().to(settings.device)[model.draft_to_target.to(settings.device)]
+    objective = BlockObjective(model, embed, lm_head, num_layers, train_settings)
+    batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
+    target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
+    identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
+                "features": store.folder.name, "train": asdict(train_settings)}
+    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed, grad_clip=1.0)
+
+    def export(step: int) -> None:
+        rows = loop.read_log(out_dir)
+        model.eval()
+        accuracy = heldout_slot_accuracy(objective, batches)
+        model.train()
+        last = rows[-20:]
+        keys = ("loss", "ce", "tv", "bce", "conf", "acc", "acc0", "acc1", "acc3", "acc7")
+        manifest = {
+            "method": method, "target": target_info, "weights": WEIGHTS,
+            "heldout": accuracy,
+            "block": {"input_slots": config.block_size, "drafts_per_block": config.block_size,
+                      "anchor_predicts_next": True},
+            "training": {
+                "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size, "lr": settings.lr,
+                "warmup_steps": settings.warmup_steps, "seed": settings.seed, "device": settings.device,
+                "settings": asdict(train_settings), "features": store.index["data"],
+                "feature_tokens": store.num_tokens,
+                "data": "ShareGPT V3 prompts, " + (
+                    "replies generated by the target (greedy)" if train_settings.self_distill
+                    else "teacher-forced ShareGPT replies"),
+                "epochs": round(step * settings.batch_size / max(1, len(batches.train_spans)), 2),
+                "last_20_steps": {k: round(sum(r[k] for r in last if k in r) / max(1, sum(k in r for r in last)), 4)
+                                  for k in keys if any(k in r for r in last)},
+                "elapsed_s": rows[-1]["elapsed_s"] if rows else None, "git_sha": git_sha(),
+                "exported_at": timestamp(),
+            },
+        }
+        export_model(model, out_dir, manifest)
+
+    model.train()
+    summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
+                         on_checkpoint=export)
+    summary["drafter"] = str(out_dir)
+    return summary
+

@@ -1,0 +1,191 @@
+"""DFlash, DDTree and DSpark: the best-first tree, the throughput scheduler, the training
+blocks' visibility, lossless decoding with untrained drafters, training and resume, and
+the drafter folder's checks."""
+
+import json
+
+import pytest
+import torch
+
+from bench.errors import BenchError
+from bench.runner import DecodeConfig, Drafter, decode
+from bench.sampling import SamplingConfig
+from methods.dflash.drafter import BlockDrafter, BlockSettings, admit_by_throughput, ddtree
+from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
+from methods.dflash.train import BlockObjective, BlockTrainSettings, export_model
+
+
+def prompt_of(target, text="Write a python function that adds two numbers."):
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def random_model(target, block=8, markov=0, confidence=False, draft_vocab=2048, seed=0):
+    torch.manual_seed(seed)
+    config = BlockConfig.for_target(target.config, block_taps(target.config.num_hidden_layers), num_layers=2,
+                                    block_size=block, draft_vocab_size=draft_vocab, markov_rank=markov,
+                                    confidence=confidence)
+    model = BlockDraftModel(config)
+    model.draft_to_target.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values)
+    return model
+
+
+def test_block_taps_span_the_target():
+    assert block_taps(30) == [2, 9, 15, 21, 27]
+    assert block_taps(36, 5)[0] == 2 and block_taps(36, 5)[-1] == 33
+
+
+def test_ddtree_is_best_first_and_ancestor_closed():
+    log_probs = torch.tensor([[0.9, 0.1, 0.0], [0.6, 0.4, 0.0], [0.5, 0.5, 0.0]]).log()
+    tokens, parents, depths = ddtree(log_probs, budget=4)
+    # scores: (0)=.9, (0,0)=.54, (0,1)=.36, (0,0,0)=(0,0,1)=.27, (1)=.1
+    assert tokens == [0, 0, 1, 0] and parents == [-1, 0, 0, 1] and depths == [1, 2, 2, 3]
+    tokens, parents, _ = ddtree(log_probs, budget=20)
+    assert len(tokens) == 20 and all(p < i for i, p in enumerate(parents))
+    children = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(tokens[node])
+    assert all(len(set(c)) == len(c) for c in children.values())  # siblings are distinct tokens
+
+
+def test_throughput_admission_stops_at_the_first_drop():
+    costs = [1.0, 1.0, 1.1, 1.2, 1.3, 1.4]  # t_v(k), k = 1..5 (index 0 unused)
+    assert admit_by_throughput([0.9, 0.8, 0.7, 0.6], costs, draft_seconds=0.1) == 4
+    assert admit_by_throughput([0.9, 0.8, 0.7, 0.6], costs[:5] + [10.0], draft_seconds=0.1) == 3
+    assert admit_by_throughput([0.9, 0.8, 0.7, 0.6], [1.0, 1.0, 5.0, 1.0, 1.0, 1.0], 0.1) == 0
+    # a later slot that would pay off is not reached once one slot does not
+    assert admit_by_throughput([0.01, 0.99], [1.0, 1.0, 1.5, 1.5], 0.1) == 0
+
+
+def test_training_blocks_see_only_their_past_and_themselves(default_target):
+    model = random_model(default_target, block=4)
+    objective = BlockObjective(model, default_target.engine.embed.float(), default_target.engine.lm_head.float()[
+        model.draft_to_target], default_target.config.num_hidden_layers, BlockTrainSettings(block_size=4, anchors=3))
+    tokens = torch.arange(12)[None]
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[0, 5:10] = True
+    blocks = objective.blocks({"tokens": tokens, "mask": mask, "lengths": torch.tensor([12])})
+    anchors = blocks["anchors"][0].tolist()
+    assert all(5 <= a <= 9 for a in anchors)
+    attention = blocks["attention"][0, 0]  # [A*b, T + A*b]
+    for j, anchor in enumerate(anchors):
+        for slot in range(4):
+            row = attention[j * 4 + slot]
+            assert row[:12].tolist() == [t < anchor for t in range(12)]
+            own = [j * 4 + s for s in range(4)]
+            assert row[12:].nonzero().flatten().tolist() == own
+    # scored slots predict reply tokens only (mask[p] means token p+1 is a reply token)
+    positions = blocks["slot_positions"][0]
+    assert bool(mask[0][positions[blocks["scored"][0]]].all())
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "scheduled"])
+def test_untrained_block_drafters_are_lossless(default_target, one_thread, mode):
+    target = default_target
+    prompt = prompt_of(target)
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(0.0))
+    reference = decode(target.engine, Drafter(), prompt, config).tokens
+    model = random_model(target, markov=16 if mode == "scheduled" else 0, confidence=mode == "scheduled")
+    settings = BlockSettings(mode=mode, block=6, budget=10, schedule="throughput")
+    costs = [0.06, 0.06, 0.07, 0.07, 0.08, 0.08, 0.09, 0.1]
+    result = decode(target.engine, BlockDrafter(target, model, settings, mode, costs), prompt, config)
+    assert result.tokens == reference
+    if mode == "chain":
+        assert set(result.tree_sizes) == {6}
+    if mode == "tree":
+        assert set(result.tree_sizes) == {10}
+    generator = torch.Generator().manual_seed(0)
+    sampled = decode(target.engine, BlockDrafter(target, model, settings, mode, costs), prompt,
+                     DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.8)), generator)
+    assert len(sampled.tokens) == 12
+
+
+def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
+    target = default_target
+    model = random_model(target, markov=16, confidence=True).eval()
+    drafter = BlockDrafter(target, model, BlockSettings(mode="scheduled", block=5, schedule="none"), "dspark")
+    prefill = target.engine.prefill(torch.tensor(prompt_of(target)), taps=drafter.taps)
+    from bench.runner import DecodeState
+
+    state = DecodeState(tokens=prompt_of(target) + [int(prefill.logits[-1].argmax())],
+                        prompt_len=len(prompt_of(target)), engine=target.engine,
+                        config=DecodeConfig(sampling=SamplingConfig(1.0)), generator=torch.Generator().manual_seed(3))
+    drafter.begin(state, prefill)
+    draft = drafter.propose(state)
+    assert len(draft) == 5 and draft.q.shape == (5, target.config.vocab_size)
+    assert torch.allclose(draft.q.sum(-1), torch.ones(5), atol=1e-5)
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[model.draft_to_target] = False
+    assert float(draft.q[:, outside].sum()) == 0.0  # only draft-vocabulary tokens can be drawn
+    assert all(float(draft.q[i, t]) > 0 for i, t in enumerate(draft.tokens))
+    # the Markov correction makes q_i depend on the previous draft token: recompute slot 1
+    hidden = drafter._backbone(state.root)
+    logits = torch.nn.functional.linear(hidden, drafter.lm_head).float()
+    previous = torch.tensor(draft.tokens[0])
+    row = logits[1] + model.markov_bias(model.markov_state(previous)).float()
+    assert torch.allclose(draft.q[1, model.draft_to_target], row.softmax(-1), atol=1e-5)
+
+
+@pytest.fixture
+def tiny_training(default_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    from bench.training import TrainSettings
+
+    def make(steps, out, **options):
+        return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
+                             progress=False, checkpoint_every_s=1e9,
+                             options={"feature_tokens": 1500, "draft_vocab": 1024, "block_size": 4, "anchors": 4,
+                                      **options})
+    return make
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, method):
+    import methods
+    from methods.dflash.train import DSPARK_DEFAULTS, train_block
+
+    defaults = DSPARK_DEFAULTS if method == "dspark" else None
+    first = train_block(default_target, tiny_training(2, method), method, defaults)
+    assert first["steps"] == 2 and first["resumed_from"] is None
+    second = train_block(default_target, tiny_training(3, method), method, defaults)
+    assert second["resumed_from"] == 2 and second["steps"] == 3
+    folder = tiny_training(3, method).out_dir
+    manifest = json.loads((folder / "drafter.json").read_text())
+    assert manifest["target"]["fingerprint"] == default_target.fingerprint
+    assert len(manifest["heldout"]["slot_accuracy"]) == 4
+    assert manifest["architecture"]["confidence"] == (method == "dspark")
+    prompt = prompt_of(default_target)
+    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
+    reference = decode(default_target.engine, Drafter(), prompt, config).tokens
+    names = ["dflash", "ddtree"] if method == "dflash" else ["dspark", "dflash"]
+    for name in names:
+        options = {"drafter": str(folder), "schedule": "threshold"} if name == "dspark" else {"drafter": str(folder)}
+        decoder = methods.build_decoder(name, default_target, options)
+        assert decoder.run_turn(prompt, config).tokens == reference
+    if method == "dflash":
+        with pytest.raises(BenchError, match="confidence head"):
+            methods.build_decoder("dspark", default_target, {"drafter": str(folder)})
+    with pytest.raises(BenchError, match="block"):
+        methods.build_decoder("dflash", default_target, {"drafter": str(folder), "block": 9})
+    with pytest.raises(BenchError, match="unknown dflash training option"):
+        train_block(default_target, tiny_training(1, "x", blocks=3), "dflash")
+
+
+def test_a_foreign_or_corrupt_drafter_is_refused(default_target, tmp_path):
+    import methods
+
+    model = random_model(default_target)
+    export_model(model, tmp_path, {"method": "dflash", "target": {"name": "x", "fingerprint": "0" * 16,
+                                                                  "vocab_size": default_target.config.vocab_size}})
+    with pytest.raises(BenchError, match="trained for target"):
+        methods.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
+    manifest = json.loads((tmp_path / "drafter.json").read_text())
+    manifest["target"]["fingerprint"] = default_target.fingerprint
+    (tmp_path / "drafter.json").write_text(json.dumps(manifest))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(BenchError, match="corrupt"):
+        methods.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
+    with pytest.raises(BenchError, match="ddtree drafts with the dflash drafter"):
+        from methods.ddtree import train
+
+        train(default_target, None)
