@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ lint: $(STAMP)
 # Our implementations vs transformers' own, interleaved (speed ratios, not a test).
 peers: $(STAMP)
 	$(BIN)/python -m bench.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
+
+# Tables, figures and plots/report.html from the kept records (`make report TAG=s2`: one series).
+TAG ?=
+report: $(STAMP)
+	$(BIN)/bench report --out plots $(if $(TAG),--tag $(TAG))
+
+# Every method x task on the default target (idempotent: finished cells are skipped), then the
+# report and the README's tables. Default: a sample of each suite (bench/grid.py states the sizes,
+# a few hours on 2 CPU cores); FULL=1: every question, 256 new tokens, tag `full`.
+GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
+all-results: $(STAMP)
+	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full)
+	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes.

@@ -151,9 +151,13 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
 @click.option("--ks", default="1,2,3,4,6,8,12,16,24,32,48,64", show_default=True, help="chain lengths")
 @click.option("--trees", default="8,16,32,64", show_default=True, help="tree sizes (top-2 trees)")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--drafters", default="trained",
+              help="methods whose per-round draft cost to time: 'trained' (every trained method with a drafter), "
+                   "a comma list, or 'none'")
 @click.option("--results-dir", default="results", show_default=True)
-def profile(target, device, dtype, context, ks, trees, repeats, results_dir) -> None:
-    """Measure the target's verification latency t_v(k) on this device and store it."""
+def profile(target, device, dtype, context, ks, trees, repeats, drafters, results_dir) -> None:
+    """Measure the target's verification latency t_v(k) and the drafters' step costs on
+    this device, and store them."""
     from pathlib import Path
 
     from bench.profile import format_profile, verify_latency
@@ -167,10 +171,18 @@ def profile(target, device, dtype, context, ks, trees, repeats, results_dir) -> 
         except ValueError:
             raise BenchError(f"expected comma-separated integers, got '{text}'") from None
 
+    from methods import METHODS, get_method
+
+    names = [] if drafters == "none" else [m.name for m in METHODS.values() if m.trained] if drafters == "trained" \
+        else [get_method(name.strip()).name for name in drafters.split(",") if name.strip()]
     check_device(device)
     device = device or default_device()
     loaded = load_target(target, device, dtype)
     result = verify_latency(loaded.engine, numbers(ks), context, repeats, tree_sizes=numbers(trees), progress=True)
+    if names:
+        from bench.profile import drafter_costs
+
+        result["drafters"] = drafter_costs(loaded, names, progress=True)
     record = {"target": loaded.name, "fingerprint": loaded.fingerprint, "dtype": dtype, "repeats": repeats,
               "provenance": provenance(device), **result}
     path = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}.json"
@@ -180,6 +192,28 @@ def profile(target, device, dtype, context, ks, trees, repeats, results_dir) -> 
     tmp.replace(path)
     click.echo(format_profile(result))
     click.echo(f"profile: {path}")
+
+
+@main.command()
+@click.option("--results", "results_dir", default="results", show_default=True, help="folder of run records")
+@click.option("--target", "targets", multiple=True, help="only this target (repeatable; default all)")
+@click.option("--task", "tasks", multiple=True, help="only this task (repeatable; default all)")
+@click.option("--method", "methods", multiple=True, help="only this method (repeatable; default all)")
+@click.option("--tag", "tags", multiple=True, help="only this record series, with its revisions (repeatable)")
+@click.option("--out", "out_dir", default="plots", show_default=True, help="folder for report.html, figures/, tables/")
+@click.option("--readme", is_flag=True, help="also rewrite the README's report/references blocks between markers")
+def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
+    """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
+    from pathlib import Path
+
+    from bench.report import display_table, make_report, to_markdown
+
+    result = make_report(Path(results_dir), Path(out_dir), targets, tasks, methods, tags,
+                         Path("README.md") if readme else None)
+    click.echo(to_markdown(display_table(result["tables"].overall)))
+    for problem in result["problems"]:
+        click.echo(f"{problem.kind}: {problem.where}: {problem.detail}", err=True)
+    click.echo(f"report: {result['html']} ({len(result['files'])} tables and figures beside it)")
 
 
 @main.command(name="list")

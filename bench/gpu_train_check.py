@@ -25,8 +25,11 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("eagle", "eagle3", "medusa", "mtp")
-OPTIONS = {"eagle": {}, "eagle3": {"draft_vocab": 4096, "ttt_steps": 2}, "medusa": {}, "mtp": {}}
+METHODS = ("eagle", "eagle3", "medusa", "mtp", "dflash", "dspark")
+BLOCK = {"draft_vocab": 4096, "block_size": 8, "anchors": 8}
+OPTIONS = {"eagle": {}, "eagle3": {"draft_vocab": 4096, "ttt_steps": 2}, "medusa": {}, "mtp": {}, "dflash": BLOCK,
+           "dspark": BLOCK}
+ALSO_DECODE = {"dflash": ("ddtree",)}  # methods that decode with another method's drafter
 
 
 def prepare(dest: Path, conversations: int = 200) -> None:
@@ -70,17 +73,28 @@ def check_method(method: str, target, assets: Path, work: Path, steps: int, devi
     started = time.perf_counter()
     summary = importlib_module(method).train(target, settings)
     train_s = time.perf_counter() - started
-    decoder = methods.build_decoder(method, target, {"drafter": summary["drafter"]})
     config = DecodeConfig(max_new_tokens=32, sampling=SamplingConfig(0.0))
-    exact = 0
     prompts = ["Write a haiku about the sea.", "What is 12 times 7?", "Name three prime numbers."]
+    references = []
     for text in prompts:
         prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": text}])
-        reference = decode(target.engine, Drafter(), prompt, config).tokens
-        exact += decoder.run_turn(prompt, config).tokens == reference
+        references.append((prompt, decode(target.engine, Drafter(), prompt, config).tokens))
     last = summary.get("last") or {}
-    return {"method": method, "steps": summary["steps"], "train_s": round(train_s, 1),
-            "loss": round(float(last.get("loss", float("nan"))), 4), "exact": f"{exact}/{len(prompts)}"}
+    row = {"method": method, "steps": summary["steps"], "train_s": round(train_s, 1),
+           "loss": round(float(last.get("loss", float("nan"))), 4)}
+    for name in (method,) + ALSO_DECODE.get(method, ()):
+        decoder = methods.build_decoder(name, target, {"drafter": summary["drafter"]})
+        exact, draft_s, verify_s, rounds = 0, 0.0, 0.0, 0
+        for prompt, reference in references:
+            result = decoder.run_turn(prompt, config)
+            exact += result.tokens == reference
+            draft_s, verify_s = draft_s + result.draft_time, verify_s + result.verify_time
+            rounds += len(result.accept_lengths)
+        key = "" if name == method else f"{name}_"
+        row.update({f"{key}exact": f"{exact}/{len(prompts)}",
+                    f"{key}draft_ms_per_round": round(1e3 * draft_s / max(1, rounds), 2),
+                    f"{key}verify_ms_per_round": round(1e3 * verify_s / max(1, rounds), 2)})
+    return row
 
 
 def importlib_module(method: str):
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # report every method, then fail
             rows.append({"method": method, "error": f"{type(exc).__name__}: {exc}"})
         print(json.dumps(rows[-1]), flush=True)
-    ok = all("error" not in r and r["exact"].split("/")[0] == r["exact"].split("/")[1] for r in rows)
+    ok = all("error" not in r and all(v.split("/")[0] == v.split("/")[1] for k, v in r.items() if k.endswith("exact"))
+             for r in rows)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_train_check.json").write_text(json.dumps({"ok": ok, "rows": rows}, indent=1))
     print("OK" if ok else "FAILED")

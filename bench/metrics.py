@@ -6,7 +6,8 @@
 - Conditional acceptance a_i = #(n_r ≥ i) / #(n_r ≥ i-1 and proposed_r ≥ i).
   For trees, i is the depth and proposed_r the deepest draft path.
 - Speedup is a ratio of sums over the turns both runs finished:
-  (ΣT_base / ΣN_base) / (ΣT_method / ΣN_method), T = TTFT + decode time.
+  (ΣT_base / ΣN_base) / (ΣT_method / ΣN_method), T = TTFT + decode time. Beside it, the
+  speedup model τ · t0 / (t_d + t_v) from the measured per-round times.
 """
 
 from __future__ import annotations
@@ -119,6 +120,21 @@ def speedup_interval(method: list[dict], base: list[dict], samples: int = 1000,
     return values[int(0.025 * samples)], values[int(0.975 * samples) - 1]
 
 
+def modelled_speedup(method: list[dict], base: list[dict]) -> float:
+    """The speedup model τ · t0 / (t_d + t_v) (methods.md §11e) from the measured parts:
+    t0 = the baseline's decode time per round (one target step), t_d and t_v = the
+    method's mean draft and verification time per round. Next to the measured speedup it
+    tells whether a shortfall is acceptance (τ) or cost (t_d, t_v)."""
+    method, base = paired(method, base)
+    base_rounds = sum(len(t["accept_lengths"]) for t in base)
+    rounds = sum(len(t["accept_lengths"]) for t in method)
+    if not base_rounds or not rounds:
+        return float("nan")
+    t0 = sum(t.get("verify_time", 0.0) + t.get("draft_time", 0.0) for t in base) / base_rounds
+    per_round = sum(t.get("verify_time", 0.0) + t.get("draft_time", 0.0) for t in method) / rounds
+    return tau(method) * t0 / per_round if per_round and t0 else float("nan")
+
+
 def match_rate(turns: list[dict]) -> float:
     """Share of turns whose tokens equal the baseline's (greedy runs only)."""
     checked = [t["exact_match"] for t in turns if t.get("exact_match") is not None]
@@ -145,4 +161,5 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
     if base is not None:
         row["speedup"] = speedup(method, base)
         row["speedup_ci"] = speedup_interval(method, base)
+        row["speedup_model"] = modelled_speedup(method, base)
     return row

@@ -139,6 +139,14 @@ def format_profile(profile: dict) -> str:
     for row in profile["rows"]:
         ratio = f"{row['ratio_to_k1']:.2f}" if row["ratio_to_k1"] else "-"
         lines.append(f"{row['kind']:<6} {row['k']:>4} {row['median_s'] * 1e3:>10.3f} {ratio:>10}")
+    if profile.get("drafters"):
+        lines.append(f"{'drafter':<10} {'draft ms/round':>15} {'verify ms/round':>16} {'nodes':>6} {'tau':>5}")
+        for row in profile["drafters"]:
+            if "skipped" in row:
+                lines.append(f"{row['method']:<10} skipped: {row['skipped']}")
+            else:
+                lines.append(f"{row['method']:<10} {row['draft_ms_per_round']:>15.1f} "
+                             f"{row['verify_ms_per_round']:>16.1f} {row['nodes_per_round']:>6.1f} {row['tau']:>5.2f}")
     return "\n".join(lines)
 
 
@@ -169,3 +177,37 @@ def quick_chain_costs(engine: Engine, max_k: int, context: int = 256, repeats: i
     profile = verify_latency(engine, ks, context=context, repeats=repeats, warmup=1)
     engine.reset()
     return chain_costs(profile, max_k)
+
+
+PROFILE_PROMPT = "Write a python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def drafter_costs(target, names: list[str], new_tokens: int = 48, progress: bool = False) -> list[dict]:
+    """Per-round draft and verification time of each method's drafter on this device: a
+    greedy decode of one fixed prompt (after a short warm-up), through the shared loop.
+    Methods whose drafter is missing are listed with the reason instead."""
+    from tqdm import tqdm
+
+    import methods
+    from bench.errors import BenchError
+    from bench.run import chat_prompt
+    from bench.runner import DecodeConfig
+    from bench.sampling import SamplingConfig
+
+    prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": PROFILE_PROMPT}])
+    rows = []
+    for name in tqdm(names, desc="drafter costs", disable=not progress):
+        try:
+            decoder = methods.build_decoder(name, target, {})
+        except BenchError as exc:
+            rows.append({"method": name, "skipped": str(exc)})
+            continue
+        decoder.run_turn(prompt, DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(0.0)))
+        result = decoder.run_turn(prompt, DecodeConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(0.0)))
+        rounds = max(1, len(result.accept_lengths))
+        rows.append({"method": name, "rounds": len(result.accept_lengths),
+                     "draft_ms_per_round": 1e3 * result.draft_time / rounds,
+                     "verify_ms_per_round": 1e3 * result.verify_time / rounds,
+                     "nodes_per_round": sum(result.tree_sizes) / rounds,
+                     "tau": (sum(result.accept_lengths) + rounds) / rounds})
+    return rows

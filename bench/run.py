@@ -236,20 +236,21 @@ def run(settings: RunSettings) -> dict:
 def format_summary(summary: dict, positions: int = 6) -> str:
     """A compact table for the terminal."""
     header = (f"{'method':<10} {'turns':>5} {'tokens':>7} {'tau':>5} {'tok/s':>7} {'TTFT ms':>8} "
-              f"{'TPOT ms':>8} {'speedup (95% CI)':>20} {'match':>6}  accept a_i (conditional)")
+              f"{'TPOT ms':>8} {'speedup (95% CI)':>20} {'model':>6} {'match':>6}  accept a_i (conditional)")
     lines = [header, "-" * len(header)]
     for name, row in summary.items():
         if name.startswith("_"):
             continue
-        speed = ""
+        speed = model = ""
         if "speedup" in row:
             low, high = row["speedup_ci"]
             speed = f"{row['speedup']:.2f}x [{low:.2f},{high:.2f}]"
+            model = f"{row['speedup_model']:.2f}x"
         match = "" if row["match_rate"] != row["match_rate"] else f"{100 * row['match_rate']:.0f}%"
         accept = " ".join(f"{a:.2f}" for a in row["accept_cond"][:positions])
         lines.append(f"{name:<10} {row['turns']:>5} {row['new_tokens']:>7} {row['tau']:>5.2f} "
                      f"{row['tokens_per_s']:>7.1f} {1000 * row['ttft_s']:>8.1f} {1000 * row['tpot_s']:>8.1f} "
-                     f"{speed:>20} {match:>6}  {accept}")
+                     f"{speed:>20} {model:>6} {match:>6}  {accept}")
     for name, path in summary.get("_paths", {}).items():
         lines.append(f"records ({name}): {path}")
     return "\n".join(lines)

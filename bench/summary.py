@@ -34,8 +34,8 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round | tok/s | exact match | near ties "
-             "| mismatches | speedup [95% CI] |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mismatches | speedup [95% CI] | model τ·t0/(t_d+t_v) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
         low, high = row.get("speedup_ci") or (float("nan"), float("nan"))
@@ -43,7 +43,7 @@ def format_table(rows: list[dict]) -> str:
                      + " | ".join(f"{a:.2f}" for a in accept)
                      + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['tokens_per_s']:.1f}"
                      + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
-                     f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] |")
+                     f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {row.get('speedup_model', float('nan')):.2f}x |")
     return "\n".join(lines)
 
 

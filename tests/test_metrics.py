@@ -10,10 +10,11 @@ from bench import metrics
 
 
 def make_turn(question_id="q1", turn=1, tokens=10, ttft=0.5, decode_time=1.0, proposed=(), accepted=(),
-              exact_match=None, draft_time=0.0) -> dict:
+              exact_match=None, draft_time=0.0, verify_time=0.0) -> dict:
     return {"question_id": question_id, "turn": turn, "tokens": list(range(tokens)), "ttft": ttft,
             "decode_time": decode_time, "proposed_lengths": list(proposed), "accept_lengths": list(accepted),
-            "tree_sizes": list(proposed), "exact_match": exact_match, "draft_time": draft_time}
+            "tree_sizes": list(proposed), "exact_match": exact_match, "draft_time": draft_time,
+            "verify_time": verify_time}
 
 
 # Five rounds (proposed, accepted): (3,3) (3,1) (3,0) | (3,2) (2,2), split over two turns.
@@ -108,3 +109,11 @@ def test_summarize():
     assert row["tau"] == pytest.approx(2.6) and row["speedup"] == pytest.approx(1.0)
     assert row["accept_hist"] == {1: 1, 2: 1, 3: 2, 4: 1}
     assert "speedup" not in metrics.summarize(ROUNDS)
+    assert math.isnan(row["speedup_model"])  # no per-round times recorded
+
+
+def test_modelled_speedup():
+    # baseline: 4 one-token rounds of 0.1 s; method: 2 rounds, τ = 2.5, 0.05 s draft + 0.15 s verify each
+    base = [make_turn("q1", proposed=(0,) * 4, accepted=(0,) * 4, verify_time=0.4)]
+    method = [make_turn("q1", proposed=(3, 3), accepted=(2, 1), draft_time=0.1, verify_time=0.3)]
+    assert metrics.modelled_speedup(method, base) == pytest.approx(2.5 * 0.1 / 0.2)

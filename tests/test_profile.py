@@ -2,7 +2,7 @@
 
 import torch
 
-from bench.profile import SHAPES, format_profile, random_engine, random_tree_mask, verify_latency
+from bench.profile import SHAPES, chain_costs, format_profile, random_engine, random_tree_mask, verify_latency
 
 
 def test_random_tree_mask_is_ancestor_closed():
@@ -31,11 +31,21 @@ def test_bench_profile_stores_a_record(tmp_path, one_thread):
 
     from bench.cli import main
 
+    result = CliRunner().invoke(main, ["profile", "--drafters", "pld,nosuch_x", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown method 'nosuch_x'" in result.output
     result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--ks", "1,3", "--trees", "5", "--repeats", "2",
-                                       "--context", "16", "--results-dir", str(tmp_path)])
+                                       "--context", "16", "--drafters", "pld", "--results-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "smollm2-135m" / "profile" / "cpu-float32.json").read_text())
     assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
     assert record["fingerprint"] and record["context"] == 16
+    [pld] = record["drafters"]
+    assert pld["method"] == "pld" and pld["rounds"] > 0 and pld["verify_ms_per_round"] > 0
     bad = CliRunner().invoke(main, ["profile", "--ks", "1,x"])
     assert bad.exit_code == 2 and "comma-separated" in bad.output
+
+
+def test_chain_costs_interpolate_between_measured_lengths():
+    profile = {"rows": [{"kind": "chain", "k": 1, "median_s": 1.0}, {"kind": "chain", "k": 5, "median_s": 3.0},
+                        {"kind": "tree", "k": 3, "median_s": 9.0}]}
+    assert chain_costs(profile, 7) == [1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0, 3.0]

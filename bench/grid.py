@@ -1,0 +1,239 @@
+"""`python -m bench.grid` (`make all-results`): every method x task on one target, through
+the same code path as `bench run`, then `bench report` draws it.
+
+Idempotent. A cell (method, task) whose records hold every planned turn and were recorded
+with the settings this run would record is skipped. An unfinished one resumes (bench run
+skips finished turns). One whose records hold other settings (a retrained drafter, new
+defaults, another max_new_tokens) is run again into the next revision of the tag
+(`grid.r2`, `grid.r3`, ...), so finished records are never overwritten; the report shows
+the newest revision and lists the older ones as superseded. A method that cannot run here
+(no trained drafter) is recorded as "not run: <reason>" in the manifest
+results/<target>/grid-<tag>.json, which the report reads; the grid goes on.
+
+Default plan (CPU, a few hours for the current methods, estimated from the audit and s2
+throughputs; the report's bootstrap intervals show how stable each speedup is): MT-bench
+2 questions per category (16 questions, 32 turns), HumanEval and GSM8K the first 10,
+Spec-Bench 2 per category (26 questions, 42 turns), 128 new tokens, greedy. `--full`:
+every question of every suite, 256 new tokens, tag `full`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+from bench.errors import BenchError
+
+BASELINE = "ar"
+SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
+DEFAULT_PLAN: dict[str, dict] = {"mtbench": {"per_category": 2}, "humaneval": {"limit": 10},
+                                 "gsm8k": {"limit": 10}, "specbench": {"per_category": 2}}
+DEFAULT_MAX_NEW_TOKENS = 128
+FULL_PLAN: dict[str, dict] = {task: {} for task in DEFAULT_PLAN}
+FULL_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class Cell:
+    task: str
+    method: str
+    status: str = "planned"
+    records: str = ""  # the tag its records are in (a revision of the grid's tag)
+    expected_turns: int = 0
+    turns: int = 0
+
+
+def grid_methods() -> list[str]:
+    """Every lossless drafting method of the registry (new methods join by registering)."""
+    from methods import METHODS
+
+    return [name for name, info in METHODS.items() if name not in SKIPPED_METHODS and info.lossless]
+
+
+def _normalized(settings: dict) -> dict:
+    return json.loads(json.dumps(settings))  # as RunFile compares them: read back from JSON
+
+
+def _first_settings(path: Path) -> dict | None:
+    """The settings a record file was started with; None when it cannot be read (a corrupt
+    file is never appended to: it gets a new revision too)."""
+    from bench.records import read_records
+
+    try:
+        headers, _ = read_records(path)
+    except BenchError:
+        return None
+    return headers[0].get("settings") if headers else None
+
+
+def cell_paths(results_dir: str | Path, target: str, task: str, method: str, tag: str) -> tuple[Path, Path]:
+    """(method records, baseline records) of one cell under one tag."""
+    from bench.records import records_path
+
+    return (records_path(Path(results_dir), target, task, method, tag),
+            records_path(Path(results_dir), target, task, BASELINE, tag))
+
+
+def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag: str, wanted: dict,
+               base_wanted: dict) -> str:
+    """The first revision of `tag` whose existing files (method and baseline) were recorded
+    with exactly the settings this run would record, or that do not exist yet."""
+    revision = 1
+    while True:
+        candidate = tag if revision == 1 else f"{tag}.r{revision}"
+        pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted))
+        if all(not path.exists() or _first_settings(path) == settings for path, settings in pairs):
+            return candidate
+        revision += 1
+
+
+def _done_keys(path: Path) -> set[tuple[str, int]]:
+    from bench.records import read_records
+
+    if not path.exists():
+        return set()
+    try:
+        _, turns = read_records(path)
+    except BenchError:
+        return set()
+    return {(str(t["question_id"]), int(t["turn"])) for t in turns if t.get("type") == "turn"}
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # none yet, or unreadable: this run writes a fresh one
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("cells"), list) else {}
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: str = "results",
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
+             device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
+             dry_run: bool = False, echo=print) -> list[Cell]:
+    """Run (or skip, or resume) every cell; returns the cells with their status."""
+    from bench.records import git_sha
+    from bench.run import RunSettings, check_device, record_settings, run
+    from bench.target import load_target
+    from methods import build_decoder, get_method
+    from tasks import load_task, task_name
+
+    for method in methods:
+        get_method(method)  # a typo fails before anything loads
+    check_device(device)
+    target = load_target(target_spec, device, dtype)
+    base_decoder = build_decoder(BASELINE, target)
+    manifest_path = Path(results_dir) / target.name / f"grid-{tag}.json"
+    cells: list[Cell] = []
+    manifest = {"tag": tag, "target": target.name, "plan": plan, "max_new_tokens": max_new_tokens,
+                "methods": methods, "git_sha": git_sha(), "cells": []}
+
+    # A grid over some tasks or methods keeps what an earlier invocation said of the others.
+    earlier = _read_manifest(manifest_path)
+    manifest["plan"] = {**earlier.get("plan", {}), **plan}
+    touched = {(task_name(task), m) for task in plan for m in [*methods, BASELINE]}
+    kept = [c for c in earlier.get("cells", []) if (c.get("task"), c.get("method")) not in touched]
+
+    def save() -> None:
+        manifest.update(updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        cells=kept + [asdict(c) for c in cells])
+        if not dry_run:
+            write_manifest(manifest_path, manifest)
+
+    for task, selection in plan.items():
+        questions = load_task(task, data_dir, selection.get("limit"), (), selection.get("per_category"))
+        name = task_name(task)  # a custom .jsonl task is recorded under its stem, as bench run does
+        keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+        base_tags = set()
+        for method in methods:
+            cell = Cell(name, method, expected_turns=len(keys))
+            cells.append(cell)
+            settings = RunSettings(method=method, task=task, target=target_spec, max_new_tokens=max_new_tokens,
+                                   device=device, dtype=dtype, limit=selection.get("limit"),
+                                   per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
+                                   results_dir=results_dir)
+            try:
+                decoder = build_decoder(method, target, settings.method_options)
+            except BenchError as exc:  # e.g. no trained drafter for this target
+                cell.status = f"not run: {exc}"
+                echo(f"[grid] {method} on {name}: {cell.status}")
+                save()
+                continue
+            wanted = _normalized(record_settings(settings, method, target, decoder))
+            base_wanted = _normalized(record_settings(settings, BASELINE, target, base_decoder))
+            del decoder
+
+            settings.tag = cell.records = choose_tag(results_dir, target.name, name, method, tag, wanted,
+                                                     base_wanted)
+            base_tags.add(settings.tag)
+            method_path, base_path = cell_paths(results_dir, target.name, name, method, settings.tag)
+            if keys <= _done_keys(method_path) and keys <= _done_keys(base_path):
+                cell.status = "up to date (skipped)"
+            elif dry_run:
+                cell.status = "to run"
+            else:
+                echo(f"[grid] {method} on {name} -> {method_path}")
+                try:
+                    run(settings)
+                    cell.status = "ran"
+                except BenchError as exc:  # bad input for this cell: say so, keep going
+                    cell.status = f"failed: {exc}"
+            cell.turns = len(keys & _done_keys(method_path))
+            echo(f"[grid] {method} on {name}: {cell.status} ({cell.turns}/{len(keys)} turns, tag {cell.records})")
+            save()
+        for base_tag in sorted(base_tags):
+            _, base_path = cell_paths(results_dir, target.name, name, BASELINE, base_tag)
+            done = len(keys & _done_keys(base_path))
+            status = "baseline" if done == len(keys) else "baseline, to run" if dry_run else "baseline, partial"
+            cells.append(Cell(name, BASELINE, status, base_tag, len(keys), done))
+        save()
+    return cells
+
+
+@click.command()
+@click.option("--full", is_flag=True, help="every question of every suite, 256 new tokens, tag 'full'")
+@click.option("--tag", default=None, help="record series (default: grid, or full with --full)")
+@click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
+@click.option("--method", "methods", multiple=True, help="only these methods (repeatable; default all lossless)")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="first N questions of every task instead")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None)
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+@click.option("--device", default=None)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--results-dir", default="results", show_default=True)
+@click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
+def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
+         dry_run) -> None:
+    """Every method x task (the default target), idempotent; then run `bench report`."""
+    try:
+        plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
+        unknown = [t for t in tasks if t not in plan]
+        if unknown:
+            raise BenchError(f"unknown grid task {', '.join(unknown)} (choose from {', '.join(plan)})")
+        plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
+        cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
+                         max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
+                         device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True))
+    except BenchError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    for cell in cells:
+        click.echo(f"{cell.task:<10} {cell.method:<10} {cell.records:<8} {cell.turns:>4}/{cell.expected_turns:<4} "
+                   f"{cell.status}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Figures of a report (matplotlib, Agg, no pyplot state): PNG for the HTML report, SVG for papers.
+
+Every figure is drawn from the summary frames of bench.report (which come from bench.metrics
+over the kept records) or from `bench profile` files; a figure with nothing to draw is
+returned as `Skipped` with the reason, and the report lists it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on the machines that render reports
+
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
+
+from bench.report import BASELINE, Records, Tables  # noqa: E402
+
+# Stable file contents for the same inputs (committed figures should not churn).
+RC = {"svg.hashsalt": "bench-report", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False}
+
+
+@dataclass
+class Figured:
+    name: str
+    title: str
+    caption: str
+    png: Path
+    svg: Path
+
+
+@dataclass
+class Skipped:
+    name: str
+    title: str
+    reason: str
+
+
+def _order(methods: list[str]) -> list[str]:
+    """Registry order (ar first, then as `bench list` shows them), unknown names last."""
+    from methods import METHODS
+
+    known = list(METHODS)
+    return sorted(set(methods), key=lambda m: (known.index(m) if m in known else len(known), m))
+
+
+def _color(method: str) -> tuple:
+    from methods import METHODS
+
+    known = list(METHODS)
+    index = known.index(method) if method in known else len(known) + sum(map(ord, method)) % 7
+    return matplotlib.colormaps["tab20"](index % 20)
+
+
+def labels(frame: pd.DataFrame) -> pd.Series:
+    """method, plus the tag (and target) where the selection holds several."""
+    label = frame["method"].astype(str)
+    if frame["series"].nunique() > 1:
+        label = label + " [" + frame["series"].astype(str) + "]"
+    if frame["target"].nunique() > 1:
+        label = frame["target"].astype(str) + ": " + label
+    return label
+
+
+def _save(fig: Figure, out: Path, name: str, title: str, caption: str) -> Figured:
+    out.mkdir(parents=True, exist_ok=True)
+    png, svg = out / f"{name}.png", out / f"{name}.svg"
+    with matplotlib.rc_context(RC):
+        fig.savefig(png, dpi=110, bbox_inches="tight", metadata={"Software": None})
+        fig.savefig(svg, bbox_inches="tight", metadata={"Date": None})
+    return Figured(name, title, caption, png, svg)
+
+
+def _figure(width: float, height: float) -> Figure:
+    with matplotlib.rc_context(RC):
+        return Figure(figsize=(width, height), layout="constrained")
+
+
+def _with_speedup(frame: pd.DataFrame, column: str) -> pd.DataFrame | None:
+    """Rows of methods measured against a baseline, labelled; None when there are none."""
+    if column not in frame or "speedup" not in frame:
+        return None
+    rows = frame[(frame["method"] != BASELINE) & frame["speedup"].notna()]
+    return None if rows.empty else rows.assign(label=labels(rows))
+
+
+def speedup_by_task(per_task: pd.DataFrame, overall: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "speedup", "Speedup over AR by method and task"
+    rows = _with_speedup(pd.concat([per_task.assign(group=per_task["task"]), overall.assign(group="overall")],
+                                   ignore_index=True), "speedup")
+    if rows is None:
+        return Skipped(name, title, "no method with an AR baseline in the selection")
+    groups = list(dict.fromkeys(list(per_task["task"].unique()) + ["overall"]))
+    groups = [g for g in groups if g in set(rows["group"])]
+    order = _order(list(rows["method"]))
+    method_of = dict(zip(rows["label"], rows["method"]))
+    series = sorted(method_of, key=lambda label: (order.index(method_of[label]), label))
+    fig = _figure(max(6.0, 1.1 * len(groups) * max(1, len(series)) / 3), 3.6)
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        width = 0.8 / len(series)
+        for i, label in enumerate(series):
+            sub = rows[rows["label"] == label].set_index("group")
+            xs = [groups.index(g) + (i - (len(series) - 1) / 2) * width for g in sub.index]
+            lows = [s - ci[0] for s, ci in zip(sub["speedup"], sub["speedup_ci"])]
+            highs = [ci[1] - s for s, ci in zip(sub["speedup"], sub["speedup_ci"])]
+            err = [[0 if math.isnan(v) else v for v in lows], [0 if math.isnan(v) else v for v in highs]]
+            ax.bar(xs, sub["speedup"], width, yerr=err, capsize=2, label=label,
+                   color=_color(sub["method"].iloc[0]), edgecolor="black", linewidth=0.3)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel("speedup over AR (ratio of sums)")
+        ax.legend(fontsize=7, ncols=min(4, len(series)), loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "Bars: (ΣT_AR/ΣN_AR)/(ΣT/ΣN) over the same turns; whiskers: 95% "
+                 "bootstrap interval over paired turns; dashed: AR speed.")
+
+
+def acceptance_decay(per_task: pd.DataFrame, overall: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "acceptance", "Per-position acceptance a_i"
+    panels = [("overall", overall)] + [(t, per_task[per_task["task"] == t]) for t in per_task["task"].unique()]
+    panels = [(p, f[(f["method"] != BASELINE) & f["accept_cond"].map(len).gt(0)]) for p, f in panels]
+    panels = [(p, f.assign(label=labels(f))) for p, f in panels if not f.empty][:6]
+    if not panels:
+        return Skipped(name, title, "no method drafted anything in the selection")
+    columns = min(3, len(panels))
+    fig = _figure(3.3 * columns, 2.8 * math.ceil(len(panels) / columns))
+    with matplotlib.rc_context(RC):
+        for index, (panel, frame) in enumerate(panels):
+            ax = fig.add_subplot(math.ceil(len(panels) / columns), columns, index + 1)
+            for _, row in frame.iterrows():
+                rates = row["accept_cond"]
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=row["label"],
+                        color=_color(row["method"]))
+            ax.set_title(panel)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("draft position i (tree depth)")
+            ax.set_ylabel("a_i (conditional)")
+            ax.set_ylim(0, 1.02)
+        fig.axes[0].legend(fontsize=6)
+    return _save(fig, out, name, title, "a_i = #(n_r ≥ i) / #(n_r ≥ i-1 and proposed_r ≥ i), pooled over rounds; "
+                 "positions with few rounds are noisy (counts in the CSV).")
+
+
+def accept_histograms(overall: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "accept_hist", "Accepted length per round (τ_r = n_r + 1)"
+    rows = overall[overall["method"] != BASELINE]
+    rows = rows.assign(label=labels(rows))
+    if rows.empty:
+        return Skipped(name, title, "no drafting method in the selection")
+    columns = min(4, len(rows))
+    fig = _figure(2.5 * columns, 2.2 * math.ceil(len(rows) / columns))
+    top = max(max(h) for h in rows["accept_hist"] if h)
+    with matplotlib.rc_context(RC):
+        for index, (_, row) in enumerate(rows.iterrows()):
+            ax = fig.add_subplot(math.ceil(len(rows) / columns), columns, index + 1)
+            hist = row["accept_hist"]
+            total = sum(hist.values()) or 1
+            ax.bar(list(hist), [v / total for v in hist.values()], color=_color(row["method"]))
+            ax.set_title(f"{row['label']} (τ={row['tau']:.2f})", fontsize=8)
+            ax.set_xticks(range(1, top + 1))
+            ax.set_xlabel("τ_r")
+            ax.set_ylim(0, 1)
+        fig.axes[0].set_ylabel("share of rounds")
+    return _save(fig, out, name, title, "Share of verification rounds committing τ_r tokens, all tasks pooled.")
+
+
+def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "tau_budget", "τ vs draft budget"
+    rows = per_task[(per_task["method"] != BASELINE) & per_task["tree_size"].gt(0)]
+    if rows.empty:
+        return Skipped(name, title, "no drafting method in the selection")
+    rows = rows.assign(label=labels(rows))
+    fig = _figure(5.5, 3.6)
+    markers = "osD^v<>ph*"
+    tasks = list(rows["task"].unique())
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        for label, sub in rows.groupby("label", sort=False):
+            for _, row in sub.iterrows():
+                ax.scatter(row["tree_size"], row["tau"], color=_color(row["method"]),
+                           marker=markers[tasks.index(row["task"]) % len(markers)], edgecolor="black", linewidth=0.3)
+            ax.plot([], [], color=_color(sub["method"].iloc[0]), marker="o", linestyle="", label=label)
+        for task in tasks:
+            ax.scatter([], [], marker=markers[tasks.index(task) % len(markers)], color="grey", label=task)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())  # 4, 8, 16 rather than 2^2 or 4x10^0
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("draft nodes verified per round (mean tree size, log scale)")
+        ax.set_ylabel("τ (tokens per round)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "One point per method and task; a method run with several draft budgets "
+                 "(method options, tags) gives several points.")
+
+
+def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "speedup_tau", "Measured speedup vs τ, with the speedup model"
+    rows = _with_speedup(per_task, "speedup_model")
+    if rows is None:
+        return Skipped(name, title, "no method with an AR baseline in the selection")
+    fig = _figure(5.8, 3.8)
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        top = max(2.0, rows["tau"].max() + 0.3)
+        ax.plot([1, top], [1, top], color="grey", linestyle=":", label="S = τ (free draft, verify = 1 AR step)")
+        for label, sub in rows.groupby("label", sort=False):
+            color = _color(sub["method"].iloc[0])
+            low = sub["speedup"] - sub["speedup_ci"].map(lambda c: c[0])
+            high = sub["speedup_ci"].map(lambda c: c[1]) - sub["speedup"]
+            ax.errorbar(sub["tau"], sub["speedup"], yerr=[low.fillna(0), high.fillna(0)], fmt="o", color=color,
+                        markeredgecolor="black", markeredgewidth=0.3, capsize=2, label=label)
+            ax.scatter(sub["tau"], sub["speedup_model"], facecolors="none", edgecolors=color, marker="s")
+            # The model's line for this method, S = τ · t0 / (t_d + t_v), at its mean per-round cost over tasks.
+            slope = (sub["speedup_model"] / sub["tau"]).mean()
+            ax.plot([1, top], [slope, slope * top], color=color, linestyle="--", linewidth=0.8)
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xlabel("τ (tokens per round)")
+        ax.set_ylabel("speedup over AR")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "Filled: measured (95% CI); hollow squares and dashed lines: the model "
+                 "S = τ·t0/(t_d + t_v) (bench.metrics.modelled_speedup): t0 = AR time per step, t_d, t_v = draft "
+                 "and verify time per round; the model leaves out TTFT and the loop's own overhead.")
+
+
+def hardware_profile(profiles: list[dict], out: Path) -> Figured | Skipped:
+    name, title = "profile", "Hardware profile: verification latency t_v(k) and draft cost per round"
+    if not profiles:
+        return Skipped(name, title, "no `bench profile` output for the selected targets")
+    costs = [(Path(p["path"]).stem, row) for p in profiles for row in p.get("drafters", []) if "skipped" not in row]
+    fig = _figure(12.0 if costs else 8.0, 3.2)
+    with matplotlib.rc_context(RC):
+        left, right = fig.add_subplot(1, 3 if costs else 2, 1), fig.add_subplot(1, 3 if costs else 2, 2)
+        for profile in profiles:
+            source = Path(profile["path"]).stem
+            label = f"{profile['target']} {source} ({profile.get('provenance', {}).get('device_name', '?')})"
+            for kind, style in (("chain", "-o"), ("tree", "--s")):
+                rows = sorted((r for r in profile["rows"] if r["kind"] == kind), key=lambda r: r["k"])
+                if not rows:
+                    continue
+                ks = [r["k"] for r in rows]
+                left.plot(ks, [1e3 * r["median_s"] for r in rows], style, markersize=3, label=f"{label}, {kind}")
+                if rows[0].get("ratio_to_k1") is not None:
+                    right.plot(ks, [r["ratio_to_k1"] for r in rows], style, markersize=3)
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.set_xlabel("tokens verified in one pass (k)")
+        left.set_ylabel("median ms per pass")
+        right.set_ylabel("t_v(k) / t_v(1)")
+        right.axhline(1.0, color="black", linewidth=0.6)
+        left.legend(fontsize=6)
+        if costs:  # `bench profile --drafters`: what one round of each method costs here
+            ax = fig.add_subplot(1, 3, 3)
+            names = [f"{row['method']} ({source})" if len(profiles) > 1 else row["method"] for source, row in costs]
+            draft = [row["draft_ms_per_round"] for _, row in costs]
+            ax.barh(names, draft, color=[_color(row["method"]) for _, row in costs], label="draft")
+            ax.barh(names, [row["verify_ms_per_round"] for _, row in costs], left=draft, color="lightgrey",
+                    label="verify")
+            ax.set_xlabel("ms per round (one prompt)")
+            ax.invert_yaxis()
+            ax.legend(fontsize=6)
+    skipped = [f"{row['method']}: {row['skipped']}" for p in profiles for row in p.get("drafters", [])
+               if "skipped" in row]
+    return _save(fig, out, name, title, "One target forward over k new tokens after a fixed context "
+                 "(`bench profile`); chains solid, top-2 trees dashed; right: draft and verify time per round of "
+                 "each drafter on one prompt." + (f" Not profiled: {'; '.join(skipped)}." if skipped else ""))
+
+
+def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
+    name, title = "gpu_util", "GPU utilization over time"
+    series: dict[str, list[tuple[float, float]]] = {}
+    for run in records.runs:
+        offset = 0.0
+        label = f"{run.method} on {run.task}" + (f" [{run.series}]" if run.series else "")
+        for turn in run.turns:
+            util = turn.get("utilization") or {}
+            if util.get("kind") != "gpu" or not util.get("series"):
+                continue
+            points = series.setdefault(label, [])
+            points += [(offset + t, u) for t, u in util["series"]]
+            offset += util["series"][-1][0]
+    if not series:
+        return Skipped(name, title, "not measured: no GPU runs among the selected records (CPU runs record "
+                       "process CPU utilization; see the CSV)")
+    fig = _figure(7.0, 3.0)
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        for label, points in list(series.items())[:12]:  # more lines than that is unreadable
+            ax.plot([p[0] for p in points], [p[1] for p in points], linewidth=0.8, label=label)
+        ax.set_xlabel("decode time, turns laid end to end (s)")
+        ax.set_ylabel("GPU utilization %")
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "pynvml samples every 0.2 s while each turn decodes.")
+
+
+def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | Skipped]:
+    out = Path(out) / "figures"
+    per_task, overall = tables.per_task, tables.overall
+    if per_task.empty:
+        reason = "no turn records in the selection"
+        figures: list[Figured | Skipped] = [Skipped(n, t, reason) for n, t in (
+            ("speedup", "Speedup over AR by method and task"), ("acceptance", "Per-position acceptance a_i"),
+            ("accept_hist", "Accepted length per round"), ("tau_budget", "τ vs draft budget"),
+            ("speedup_tau", "Measured speedup vs τ, with the speedup model"))]
+    else:
+        figures = [speedup_by_task(per_task, overall, out), acceptance_decay(per_task, overall, out),
+                   accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out)]
+    return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]

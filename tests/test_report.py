@@ -1,0 +1,329 @@
+"""`bench report` and the all-results grid, on hand-built records whose numbers are worked
+out by hand (tests/report_helpers.py). No model is loaded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from html.parser import HTMLParser
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from report_helpers import PLD_ROUNDS, TARGET, turn, write_clean, write_profile, write_run
+
+from bench import metrics
+from bench.cli import main
+from bench.errors import BenchError
+from bench.plots import Figured, Skipped, make_figures
+from bench.report import (
+    build_tables,
+    display_table,
+    load_records,
+    replace_between_markers,
+    summarize,
+    to_latex,
+    to_markdown,
+    update_readme,
+    write_tables,
+)
+
+
+def row(frame, **match):
+    chosen = frame
+    for key, value in match.items():
+        chosen = chosen[chosen[key] == value]
+    assert len(chosen) == 1, (match, chosen)
+    return chosen.iloc[0]
+
+
+def kinds(records) -> list[str]:
+    return sorted(p.kind for p in records.problems)
+
+
+def test_per_task_and_pooled_numbers(tmp_path):
+    write_clean(tmp_path)
+    records = load_records(tmp_path)
+    per_task, overall = summarize(records, "task"), summarize(records, "overall")
+    mt = row(per_task, task="mtbench", method="pld")
+    assert mt["tau"] == pytest.approx(3.0) and mt["turns"] == 4 and mt["questions"] == 2
+    assert mt["speedup"] == pytest.approx(2.0) and mt["match_rate"] == 1.0
+    assert row(per_task, task="gsm8k", method="pld")["speedup"] == pytest.approx(4.0)
+    # Pooled over suites whose question ids collide ("1" in both): (6.0/50) / (2.5/50).
+    pooled = row(overall, method="pld")
+    assert pooled["speedup"] == pytest.approx(2.4) and pooled["turns"] == 5
+    assert row(overall, method="ar")["tokens_per_s"] == pytest.approx(50 / 6.0)
+    # Speedup model S = τ·t0/(t_d+t_v): t0 = 0.9 s verify / 9 AR steps, t_d+t_v = 0.4 s / 3 rounds.
+    assert pooled["speedup_model"] == pytest.approx(3 * 0.1 / (0.4 / 3))
+    assert mt["verify_s_per_round"] == pytest.approx(0.1) and mt["draft_s_per_round"] == pytest.approx(0.1 / 3)
+    # The same numbers bench.metrics gives on the raw turns: one definition, reused.
+    pld = [t for r in records.runs if r.method == "pld" and r.task == "mtbench" for t in r.turns]
+    ar = [t for r in records.runs if r.method == "ar" and r.task == "mtbench" for t in r.turns]
+    assert mt["speedup_ci"] == metrics.speedup_interval(pld, ar)
+    assert records.problems[0].kind == "missing" and "bench profile" in records.problems[0].detail
+
+
+def test_per_category_tables_only_for_category_suites(tmp_path):
+    write_clean(tmp_path)
+    categories = summarize(load_records(tmp_path), "category")
+    assert set(categories["task"]) == {"mtbench"}
+    assert sorted(categories[categories["method"] == "pld"]["category"]) == ["math", "writing"]
+    assert row(categories, category="math", method="pld")["speedup"] == pytest.approx(2.0)
+
+
+def test_filters(tmp_path):
+    write_clean(tmp_path)
+    write_clean(tmp_path, tag="other")
+    records = load_records(tmp_path, tasks=("gsm8k",), methods=("pld",), tags=("t",))
+    assert [(r.task, r.method, r.tag) for r in records.runs] == [("gsm8k", "pld", "t")]
+    with pytest.raises(BenchError, match="no run records"):
+        load_records(tmp_path, tags=("nothing",), targets=(TARGET,))
+    with pytest.raises(BenchError, match="results folder not found"):
+        load_records(tmp_path / "absent")
+
+
+def test_bad_records_are_reported_and_nothing_else_is_lost(tmp_path):
+    write_clean(tmp_path)
+    good = turn("1", category="writing", decode=0.4, draft=0.1, verify=0.3, exact=True, **PLD_ROUNDS)
+    broken = dict(good, turn=2)
+    del broken["accept_lengths"]
+    path = write_run(tmp_path, "mtbench", "eagle", "t", [good, broken], tail='{"type": "turn", "question')
+    text = path.read_text().split("\n")
+    path.write_text("\n".join(text[:1] + ["{not json"] + text[1:]))  # a corrupt line in the middle
+    write_run(tmp_path, "mtbench", "sps", "lonely", [good])  # no ar-lonely beside it
+    records = load_records(tmp_path)
+    details = {(p.kind, p.where.rsplit("/", 1)[-1]): p.detail for p in records.problems}
+    assert ("corrupt", "eagle-t.jsonl:2") in details
+    assert ("unfinished", "eagle-t.jsonl") in details
+    assert ("malformed turn", "eagle-t.jsonl:4") in details and "accept_lengths" in details[
+        ("malformed turn", "eagle-t.jsonl:4")]
+    partial = [p.detail for p in records.problems if p.kind == "partial" and p.where.endswith("eagle-t.jsonl")]
+    assert len(partial) == 2 and "1 of the 4 turns its baseline has" in partial[0]
+    assert partial[1] == "MT-bench questions with turn 1 only: 1"
+    assert ("no baseline", "sps-lonely.jsonl") in details
+    # The good turn of the damaged file still counts, and so does every clean file.
+    per_task = summarize(records, "task")
+    assert row(per_task, method="eagle", task="mtbench")["turns"] == 1
+    assert row(per_task, method="pld", task="mtbench")["speedup"] == pytest.approx(2.0)
+    assert "no baseline" in row(display_table(per_task), method="sps")["speedup [95% CI]"]
+
+
+def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
+    write_clean(tmp_path, tag="grid")
+    write_run(tmp_path, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
+    write_run(tmp_path, "gsm8k", "pld", "grid.r2", [turn("1", decode=0.9, **PLD_ROUNDS)])  # now speedup 2
+    records = load_records(tmp_path, tags=("grid",))
+    assert {r.tag for r in records.runs if r.task == "gsm8k"} == {"grid.r2"}
+    assert row(summarize(records, "task"), task="gsm8k", method="pld")["speedup"] == pytest.approx(2.0)
+    assert sorted(p.where.rsplit("/", 1)[-1] for p in records.problems if p.kind == "superseded") == [
+        "ar-grid.jsonl", "pld-grid.jsonl"]
+
+
+def test_table_writers(tmp_path):
+    write_clean(tmp_path)
+    tables = build_tables(load_records(tmp_path))
+    markdown = to_markdown(display_table(tables.overall))
+    assert markdown.splitlines()[0].startswith("| method | turns | τ | speedup [95% CI]")
+    assert "| pld | 5 | 3.00 | 2.40x [" in markdown and "| ar | 5 | 1.00 | 1 (baseline)" in markdown
+    latex = to_latex(display_table(tables.per_category), "per_category 100%")
+    assert r"$\tau$" in latex and r"100\%" in latex and r"per\_category" in latex and "writing" in latex
+    written = write_tables(tables, tmp_path / "out", load_records(tmp_path))
+    assert sorted(p.name for p in written)[:3] == ["overall.csv", "overall.md", "overall.tex"]
+    turns = (tmp_path / "out" / "tables" / "turns.csv").read_text().splitlines()
+    assert len(turns) == 1 + 10 and f"{TARGET},gsm8k,t,pld,1,math,1,10," in "\n".join(turns)
+    csv = (tmp_path / "out" / "tables" / "overall.csv").read_text().splitlines()
+    assert "speedup_ci_low" in csv[0] and "accept_cond" in csv[0]
+    assert any(line.startswith(f"{TARGET},t,pld,") and ",2.4," in line for line in csv)
+
+
+def test_readme_markers(tmp_path):
+    text = "a\n<!-- report:start -->\nold\n<!-- report:end -->\n<!-- s2:start -->\nkeep\n<!-- s2:end -->\n"
+    assert replace_between_markers(text, "report", "new") == text.replace("old", "new")
+    with pytest.raises(BenchError, match="report:start"):
+        replace_between_markers("no markers", "report", "x")
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    update_readme(readme, {"report": "| t |"})
+    assert "| t |" in readme.read_text() and "keep" in readme.read_text()
+
+
+def test_figures_profile_and_gpu(tmp_path):
+    gpu = {"kind": "gpu", "util_mean": 55.0, "memory_max_mib": 10.0, "series": [[0.0, 40.0], [0.2, 70.0]]}
+    write_clean(tmp_path, util=gpu)
+    records = load_records(tmp_path)
+    figures = {f.name: f for f in make_figures(records, build_tables(records), tmp_path / "out")}
+    assert isinstance(figures["profile"], Skipped) and isinstance(figures["gpu_util"], Figured)
+    assert "GPU util" in display_table(build_tables(records).overall).columns
+    for name in ("speedup", "acceptance", "accept_hist", "tau_budget", "speedup_tau", "gpu_util"):
+        figure = figures[name]
+        assert isinstance(figure, Figured), (name, getattr(figure, "reason", ""))
+        assert figure.svg.read_text().lstrip().startswith("<?xml")
+        pixels = np.asarray(Image.open(figure.png).convert("L"), dtype=float)
+        assert pixels.std() > 5, name  # not a blank canvas
+    write_profile(tmp_path)
+    records = load_records(tmp_path)
+    assert "missing" not in kinds(records)
+    assert isinstance(make_figures(records, build_tables(records), tmp_path / "out")[-2], Figured)
+
+
+class _Images(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.images, self.headings, self.tables, self.external = [], [], 0, []
+        self._heading = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tables += tag == "table"
+        if tag == "img":
+            self.images.append(attrs.get("src", ""))
+        for key in ("src", "href"):
+            if re.match(r"^(https?:)?//", attrs.get(key) or ""):
+                self.external.append(attrs[key])
+        if tag in ("script", "link", "iframe"):
+            self.external.append(tag)
+        if tag in ("h1", "h2"):
+            self._heading = ""
+
+    def handle_data(self, data):
+        if self._heading is not None:
+            self._heading += data
+
+    def handle_endtag(self, tag):
+        if tag in ("h1", "h2") and self._heading is not None:
+            self.headings.append(self._heading.strip())
+            self._heading = None
+
+
+def test_bench_report_command_writes_a_self_contained_report(tmp_path, monkeypatch):
+    results, out = tmp_path / "results", tmp_path / "plots"
+    write_clean(results)
+    write_profile(results)
+    (tmp_path / "README.md").write_text("<!-- report:start -->\n<!-- report:end -->\n"
+                                        "<!-- references:start -->\n<!-- references:end -->\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["report", "--results", str(results), "--out", str(out), "--readme"])
+    assert result.exit_code == 0, result.output
+    assert "| pld | 5 | 3.00 | 2.40x" in result.stdout
+    readme = (tmp_path / "README.md").read_text()
+    assert "| pld | 5 | 3.00 | 2.40x" in readme and "reported by the papers" in readme.lower()
+    assert {p.name for p in (out / "figures").iterdir()} >= {"speedup.png", "speedup.svg", "profile.svg"}
+    page = (out / "report.html").read_text(encoding="utf-8")
+    parsed = _Images()
+    parsed.feed(page)
+    assert parsed.external == [] and "url(" not in page  # readable offline from the one file
+    assert parsed.tables >= 6
+    assert {"Overall (all selected tasks pooled)", "Figures", "Missing and partial records",
+            "Reported by the papers (not measured here)", "Runs and provenance"} <= set(parsed.headings)
+    assert len(parsed.images) == 6  # all but the GPU plot: these are CPU records
+    for src in parsed.images:
+        assert src.startswith("data:image/png;base64,")
+        image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+        assert image.size[0] > 200 and np.asarray(image.convert("L"), dtype=float).std() > 5
+    assert "not measured: no GPU runs" in page and "abc123" in page  # skipped figure and provenance shown
+    assert "EAGLE-3" in page and "Spec-Bench leaderboard" in page
+
+
+def test_bench_report_bad_input_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["report", "--results", str(tmp_path / "none")])
+    assert result.exit_code == 2 and result.stderr.startswith("error: results folder not found")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_reference_numbers_cite_a_source():
+    from bench.html_report import load_references
+
+    rows = load_references()
+    assert rows and all(r["source"] and r["ref"].startswith("methods.md §") for r in rows)
+    assert all(r["tau"] or r["speedup"] for r in rows)
+    assert {"sps", "pld", "lookahead", "medusa", "eagle2", "eagle3"} <= {r["method"] for r in rows}
+
+
+# ---------------------------------------------------------------- the grid (no model: fakes)
+
+
+class _FakeTarget:
+    name, fingerprint = TARGET, "fp"
+    engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """The grid's code path with the model parts replaced: a fake target and decoders, and a
+    `run` that writes one turn record per planned turn (as bench run does)."""
+    import bench.run
+    import bench.target
+    import methods
+    from bench.records import RunFile, records_path
+    from tasks import load_task, task_name
+
+    calls = []
+
+    def build_decoder(name, target, options=None):
+        if name == "eagle3":
+            raise BenchError("no eagle3 drafter for target 'tiny'")
+        return SimpleNamespace(lossless=True)
+
+    def fake_run(settings):
+        calls.append(settings.tag)
+        questions = load_task(settings.task, settings.data_dir, settings.limit, (), settings.per_category)
+        for method in (settings.method, "ar"):
+            path = records_path(settings.results_dir, TARGET, task_name(settings.task), method, settings.tag)
+            recorded = bench.run.record_settings(settings, method, _FakeTarget, build_decoder(method, None))
+            records = RunFile(path, recorded, "cpu")
+            for q in questions:
+                for number in range(1, len(q.turns) + 1):
+                    if records.done(q.question_id, number) is None:
+                        records.add_turn({k: v for k, v in turn(q.question_id, number).items() if k != "type"})
+        return {}
+
+    monkeypatch.setattr(bench.target, "load_target", lambda *a, **k: _FakeTarget)
+    monkeypatch.setattr(methods, "build_decoder", build_decoder)
+    monkeypatch.setattr(bench.run, "run", fake_run)
+    return calls
+
+
+def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench):
+    from bench.grid import run_grid
+
+    results = tmp_path / "results"
+    plan = {str(tiny_task): {}}
+
+    def grid(tokens: int) -> dict:
+        cells = run_grid(plan, ["pld", "eagle3"], "grid", str(results), tokens, echo=lambda line: None)
+        return {c.method: c for c in cells}
+
+    first = grid(8)
+    assert first["pld"].status == "ran" and first["pld"].turns == first["pld"].expected_turns == 3
+    assert first["eagle3"].status.startswith("not run: no eagle3 drafter")
+    assert first["ar"].status == "baseline" and fake_bench == ["grid"]
+    pld_file = results / TARGET / "tiny" / "pld-grid.jsonl"
+    before = pld_file.read_bytes()
+    assert grid(8)["pld"].status == "up to date (skipped)" and fake_bench == ["grid"]
+    # Other settings: a fresh revision, the finished records untouched.
+    changed = grid(9)
+    assert changed["pld"].status == "ran" and changed["pld"].records == "grid.r2" and fake_bench[-1] == "grid.r2"
+    assert pld_file.read_bytes() == before
+    # An interrupted revision resumes in place.
+    r2 = results / TARGET / "tiny" / "pld-grid.r2.jsonl"
+    r2.write_text("".join(r2.read_text().splitlines(keepends=True)[:-1]))
+    assert grid(9)["pld"].status == "ran" and fake_bench[-1] == "grid.r2"
+    manifest = json.loads((results / TARGET / "grid-grid.json").read_text())
+    assert {c["method"]: c["status"] for c in manifest["cells"]}["eagle3"].startswith("not run")
+    records = load_records(results, tags=("grid",))
+    assert {r.tag for r in records.runs} == {"grid.r2"}
+    assert "not run" in kinds(records) and "superseded" in kinds(records)
+
+
+def test_grid_methods_come_from_the_registry():
+    import methods
+    from bench.grid import grid_methods
+
+    chosen = grid_methods()
+    assert "ar" not in chosen and "hf" not in chosen and "pld" in chosen and "eagle3" in chosen
+    assert all(methods.METHODS[m].lossless for m in chosen)
