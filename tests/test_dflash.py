@@ -189,3 +189,15 @@ def test_a_foreign_or_corrupt_drafter_is_refused(default_target, tmp_path):
         from methods.ddtree import train
 
         train(default_target, None)
+
+
+def test_calibration_metrics():
+    from methods.dflash.calibration import auroc, calibration_pairs, expected_calibration_error
+
+    assert auroc([0.9, 0.8, 0.3, 0.1], [1, 1, 0, 0]) == 1.0
+    assert auroc([0.1, 0.9], [1, 0]) == 0.0
+    assert auroc([0.5, 0.5], [1, 0]) == 0.5
+    assert expected_calibration_error([0.95, 0.95, 0.15, 0.15], [1, 1, 0, 0]) == pytest.approx(0.1)
+    pairs = calibration_pairs([([0.9, 0.5, 0.5], 1)])
+    assert pairs["survival"] == [(1, 0.9, 1), (2, 0.45, 0), (3, 0.225, 0)]
+    assert pairs["conditional"] == [(1, 0.9, 1), (2, 0.5, 0)]  # slot 3 was never reached
