@@ -230,7 +230,7 @@ class EagleObjective:
                 weight_sum += s.step_decay ** step
                 agree = draft_ids[log_q.argmax(-1)] == target_argmax
                 metrics[f"acc{step}"] = float(agree.float().mean())
-                metrics[f"ce{step}"] = float(ce)
+                metrics[f"ce{step}"] = float(ce.detach())
             hidden = out
         metrics["acc"] = metrics.get("acc0", 0.0)
         metrics["tokens"] = int(self.labels(batch, 0)[0].sum())
