@@ -140,16 +140,24 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     manifest = {"tag": tag, "target": target.name, "plan": plan, "max_new_tokens": max_new_tokens,
                 "methods": methods, "git_sha": git_sha(), "cells": []}
 
-    # A grid over some tasks or methods keeps what an earlier invocation said of the others.
-    earlier = _read_manifest(manifest_path)
-    manifest["plan"] = {**earlier.get("plan", {}), **plan}
+    # A grid over some tasks or methods keeps what other invocations (earlier, or running
+    # beside this one on other tasks) said of the rest: the manifest is re-read under a lock
+    # at every save.
     touched = {(task_name(task), m) for task in plan for m in [*methods, BASELINE]}
-    kept = [c for c in earlier.get("cells", []) if (c.get("task"), c.get("method")) not in touched]
 
     def save() -> None:
-        manifest.update(updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        cells=kept + [asdict(c) for c in cells])
-        if not dry_run:
+        if dry_run:
+            return
+        import fcntl
+
+        manifest_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(manifest_path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            earlier = _read_manifest(manifest_path)
+            kept = [c for c in earlier.get("cells", []) if (c.get("task"), c.get("method")) not in touched]
+            manifest.update(plan={**earlier.get("plan", {}), **plan},
+                            updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            cells=kept + [asdict(c) for c in cells])
             write_manifest(manifest_path, manifest)
 
     for task, selection in plan.items():

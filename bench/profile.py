@@ -211,3 +211,11 @@ def drafter_costs(target, names: list[str], new_tokens: int = 48, progress: bool
                      "nodes_per_round": sum(result.tree_sizes) / rounds,
                      "tau": (sum(result.accept_lengths) + rounds) / rounds})
     return rows
+
+
+def best_size(gains: list[float], costs: list[float], draft_seconds: float = 0.0) -> int:
+    """Draft size n maximising expected tokens per second (1 + gains[n]) / (t_draft + t_v(n+1)),
+    where gains[n] = expected accepted drafts with n nodes (gains[0] = 0) and costs[k] = t_v(k)
+    for k up to len(gains) (as chain_costs returns). Ties go to the smaller tree."""
+    rates = [(1 + gain) / (draft_seconds + costs[n + 1]) for n, gain in enumerate(gains)]
+    return max(range(len(rates)), key=lambda n: (rates[n], -n))

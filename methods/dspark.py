@@ -48,6 +48,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from methods.dflash.train import DSPARK_DEFAULTS, train_block
+    from methods.dflash.training import DSPARK_DEFAULTS, train_block
 
     return train_block(target, settings, METHOD, DSPARK_DEFAULTS)

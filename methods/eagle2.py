@@ -32,6 +32,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from methods.eagle.train import train_eagle
+    from methods.eagle.training import train_eagle
 
     return train_eagle(target, settings, "eagle1", "eagle")

@@ -25,6 +25,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from methods.eagle.train import train_eagle
+    from methods.eagle.training import train_eagle
 
     return train_eagle(target, settings, "eagle3", METHOD)

@@ -52,7 +52,9 @@ Drafter formats (`--drafter FOLDER`):
   in the non-legacy layout, a per-head lm_head "{head}.{num_layers}.weight" [V, d]. Without
   measured accuracies its tree comes from PRIOR_TOP1 (or pass choices=...).
 
-Options of `bench run`: drafter, tree_size (default: the manifest's tree, 63 nodes),
+Options of `bench run`: drafter, tree_size (default auto: the best-first tree cut where
+expected tokens per second peak under this device's measured t_v(k); "manifest": the tree
+stored at training, 63 nodes; or a number),
 choices (a JSON list of rank paths, overrides the tree), acceptance (exact | typical),
 posterior_threshold (0.09), posterior_alpha (0.3).
 """
@@ -413,6 +415,21 @@ def _float_option(options: dict, key: str, default: float) -> float:
     return value
 
 
+def device_sized_tree(target, accuracy: list[list[float]], largest: int = 64) -> list[tuple[int, ...]]:
+    """The best-first tree cut where expected tokens per second peak on this device: node
+    values come from the measured head accuracies, t_v(k) from a few seconds of timing
+    (the heads' own cost is one pass, whatever the tree size, so it does not move the cut)."""
+    from bench.profile import best_size, quick_chain_costs
+
+    paths = build_tree(accuracy, largest)
+    ranks = rank_probabilities(accuracy)
+    gains = [0.0]
+    for path in paths:
+        gains.append(gains[-1] + path_value(tuple(path), ranks))
+    size = best_size(gains, quick_chain_costs(target.engine, len(paths) + 1))
+    return paths[: max(1, size)]
+
+
 def build(target, options: dict) -> MedusaDecoder:
     known = {"drafter", "tree_size", "choices", "acceptance", "posterior_threshold", "posterior_alpha"}
     unknown = sorted(set(options) - known)
@@ -433,7 +450,10 @@ def build(target, options: dict) -> MedusaDecoder:
             raise BenchError(f"medusa choices must be JSON, got {choices!r}") from None
     if choices is not None:
         paths, source = choices, "choices option"
-    elif stored_tree is not None and "tree_size" not in options:
+    elif str(options.get("tree_size", "auto")) == "auto" and accuracy:
+        paths = device_sized_tree(target, accuracy)
+        source = f"sized for this device: {len(paths)} nodes"
+    elif stored_tree is not None and str(options.get("tree_size", "manifest")) in ("manifest", "auto"):
         paths, source = stored_tree, "manifest"
     else:
         size = _int_option(options, "tree_size", 63)

@@ -12,7 +12,7 @@ from bench.runner import DecodeConfig, Drafter, decode
 from bench.sampling import SamplingConfig
 from methods.dflash.drafter import BlockDrafter, BlockSettings, admit_by_throughput, ddtree
 from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
-from methods.dflash.train import BlockObjective, BlockTrainSettings, export_model
+from methods.dflash.training import BlockObjective, BlockTrainSettings, export_model
 
 
 def prompt_of(target, text="Write a python function that adds two numbers."):
@@ -142,7 +142,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, method):
     import methods
-    from methods.dflash.train import DSPARK_DEFAULTS, train_block
+    from methods.dflash.training import DSPARK_DEFAULTS, train_block
 
     defaults = DSPARK_DEFAULTS if method == "dspark" else None
     first = train_block(default_target, tiny_training(2, method), method, defaults)

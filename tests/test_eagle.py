@@ -12,7 +12,7 @@ from bench.runner import DecodeConfig, Drafter, decode
 from bench.sampling import SamplingConfig
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead, rope_theta
-from methods.eagle.train import eagle3_taps, shifted
+from methods.eagle.training import eagle3_taps, shifted
 
 STATIC = TreeSettings(mode="static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
 
@@ -113,7 +113,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind,method", [("eagle1", "eagle"), ("eagle3", "eagle3")])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, kind, method):
     import methods
-    from methods.eagle.train import train_eagle
+    from methods.eagle.training import train_eagle
 
     first = train_eagle(default_target, tiny_training(kind, 2, method), kind, method)
     assert first["steps"] == 2 and first["resumed_from"] is None
@@ -137,7 +137,7 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
 
 def test_a_drafter_for_other_weights_is_refused(default_target, tmp_path):
     import methods
-    from methods.eagle.train import export_head
+    from methods.eagle.training import export_head
 
     head = random_head(default_target, "eagle1")
     export_head(head, tmp_path, {"method": "eagle", "target": {"name": "x", "fingerprint": "0" * 16,

@@ -347,7 +347,7 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
     log = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and all("acc_h1" in row for row in log)
 
-    decoder = build(tiny_target, {"drafter": str(tmp_path / "straight")})
+    decoder = build(tiny_target, {"drafter": str(tmp_path / "straight"), "tree_size": "manifest"})
     assert decoder.info["tree_source"] == "manifest" and decoder.info["expected_accepted"] >= 0
     config = DecodeConfig(max_new_tokens=10)
     assert decoder.run_turn(PROMPT, config).tokens == decode(tiny_target.engine, Drafter(), PROMPT, config).tokens
@@ -475,3 +475,13 @@ def test_bad_training_options(tiny_target, tmp_path):
         settings = TrainSettings(out_dir=tmp_path, options=options, progress=False)
         with pytest.raises(BenchError, match=match):
             medusa.train(tiny_target, settings)
+
+
+def test_default_tree_is_sized_for_the_device(default_target, tmp_path, one_thread):
+    accuracy = [[0.6, 0.75, 0.8], [0.4, 0.5, 0.55], [0.2, 0.3, 0.35]]  # per head, top-1..3 cumulative
+    folder = save_ours(tmp_path / "ours", default_target, random_heads(default_target.config.hidden_size, 3),
+                       paths=[[0], [1], [0, 0]], accuracy=accuracy)
+    decoder = build(default_target, {"drafter": str(folder)})
+    assert decoder.info["tree_source"].startswith("sized for this device")
+    assert 1 <= decoder.info["tree_size"] < 63
+    assert build(default_target, {"drafter": str(folder), "tree_size": "manifest"}).info["tree_size"] == 3

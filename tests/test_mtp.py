@@ -19,19 +19,12 @@ from bench.sampling import SamplingConfig
 from bench.training import TrainSettings
 from bench.training.loop import read_log
 from methods import mtp
-from methods.mtp import (
-    LayerShape,
-    MtpObjective,
-    MtpSettings,
-    ParallelDrafter,
-    SequentialDrafter,
-    build,
-    distill_loss,
-    init_model,
-    make_drafter,
-    ttt_mask,
-    windows_of,
-)
+from methods.mtp import build
+from methods.mtp.drafter import ParallelDrafter, SequentialDrafter, make_drafter
+from methods.mtp.loss import distill_loss
+from methods.mtp.model import LayerShape, ttt_mask
+from methods.mtp.store import FORMAT
+from methods.mtp.training import MtpObjective, MtpSettings, init_model, windows_of
 
 NEW_TOKENS = 24
 
@@ -375,7 +368,7 @@ def write_drafter(folder, owner, kind: str = "sequential", heads: int = 3, **cha
     save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()},
               str(folder / WEIGHTS))
     architecture = dict(vars(LayerShape.of(owner.engine)), kind=kind, heads=heads)
-    manifest = {"format": mtp.FORMAT, "method": "mtp", "variant": kind, "tap": manifest["tap"],
+    manifest = {"format": FORMAT, "method": "mtp", "variant": kind, "tap": manifest["tap"],
                 "architecture": architecture, "weights": WEIGHTS,
                 "target": {"name": owner.name, "fingerprint": owner.fingerprint,
                            "vocab_size": owner.config.vocab_size}, **changes}

@@ -49,3 +49,14 @@ def test_chain_costs_interpolate_between_measured_lengths():
     profile = {"rows": [{"kind": "chain", "k": 1, "median_s": 1.0}, {"kind": "chain", "k": 5, "median_s": 3.0},
                         {"kind": "tree", "k": 3, "median_s": 9.0}]}
     assert chain_costs(profile, 7) == [1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0, 3.0]
+
+
+def test_best_size_trades_expected_tokens_against_verification_cost():
+    from bench.profile import best_size
+
+    gains = [0.0, 0.6, 0.9, 1.0, 1.05]
+    flat = [1.0] * 6  # free verification: the biggest tree wins
+    assert best_size(gains, flat) == 4
+    steep = [1.0, 1.0, 1.2, 1.5, 2.0, 2.5]  # rates: 1/1 1.6/1.2 1.9/1.5 2.0/2.0 2.05/2.5 -> n = 1
+    assert best_size(gains, steep) == 1
+    assert best_size([0.0, 0.01], [1.0, 1.0, 2.0]) == 0  # a draft that costs more than it brings: none

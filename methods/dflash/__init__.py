@@ -6,7 +6,7 @@ every draft layer, drafts b tokens at once; the argmax chain is verified lossles
     bench run --method dflash --task humaneval [--option block=8]
 
 The model, its decode-time drafting and its training live in methods/dflash/{model,
-drafter,train}.py; DDTree (methods/ddtree.py) and DSpark (methods/dspark.py) share them.
+drafter,training}.py; DDTree (methods/ddtree.py) and DSpark (methods/dspark.py) share them.
 
 Options: drafter (folder), block (drafts verified per round, <= the trained block size;
 default the whole block), dtype (drafting precision, default bfloat16: the drafter only
@@ -76,6 +76,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from methods.dflash.train import train_block
+    from methods.dflash.training import train_block
 
     return train_block(target, settings, METHOD)

@@ -3,7 +3,7 @@
 The head (methods/eagle/model.py) predicts the target's next final hidden state from
 (current feature, next token); the target's lm_head turns it into draft tokens. Drafting
 (methods/eagle/drafter.py) keeps the head's KV over the committed context and expands a
-token tree; training (methods/eagle/train.py) uses cached target features.
+token tree; training (methods/eagle/training.py) uses cached target features.
 
     bench train --method eagle            # trains the head for the target (resumable)
     bench run --method eagle --task mtbench
@@ -95,6 +95,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from methods.eagle.train import train_eagle
+    from methods.eagle.training import train_eagle
 
     return train_eagle(target, settings, "eagle1", METHOD)

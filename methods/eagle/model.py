@@ -12,7 +12,7 @@ output instead of g.
 
 The same module serves decode time (batch 1, its own KV cache, tree masks) and training
 (batched sequences, `forward_train`, or the training-time-test attention of EAGLE-3 in
-methods/eagle/train.py). The target's embedding and lm_head are passed in, never stored.
+methods/eagle/training.py). The target's embedding and lm_head are passed in, never stored.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from bench.drafters import WEIGHTS, write_drafter
 from bench.errors import BenchError
 from bench.training.features import FeatureData, ensure_features
 from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
-from methods.eagle.train import FeatureBatches, _coerce, draft_vocabulary
+from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
 
 FORMAT = "spec-bench-block-drafter/1"
 

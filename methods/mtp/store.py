@@ -1,0 +1,90 @@
+"""An MTP drafter folder: its name under drafters/<target>/, its format, and reading it back.
+
+The folder holds the trainable weights (bf16, bench.drafters.WEIGHTS) and drafter.json,
+whose "variant" says which module the weights are. Kept apart from methods/mtp/__init__.py
+so that drafter.py and training.py can share these names without importing the
+package's entry points (an import cycle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from bench.drafters import WEIGHTS, check_target, find_drafter, read_manifest
+from bench.errors import BenchError
+from methods.mtp.model import VARIANTS, LayerShape, new_model
+
+if TYPE_CHECKING:
+    from bench.target import Target
+
+METHOD = "mtp"
+FORMAT = "spec-bench-mtp/1"
+
+
+def drafter_key(variant: str) -> str:
+    """Folder name under drafters/<target>/: each variant has its own drafter."""
+    return METHOD if variant == "sequential" else f"{METHOD}-{variant}"
+
+
+def find_folder(target: Target, variant: str | None, path: str | None) -> Path:
+    """`path` if given, else the user's trained drafter of `variant` (default sequential)."""
+    if path is not None:
+        return find_drafter(target.name, METHOD, path)
+    variant = variant or "sequential"
+    try:
+        return find_drafter(target.name, drafter_key(variant))
+    except BenchError:
+        extra = "" if variant == "sequential" else f" --option variant={variant}"
+        raise BenchError(f"no mtp drafter (variant {variant}) for target '{target.name}': run "
+                         f"`bench train --method mtp{extra}` or pass --drafter PATH") from None
+
+
+def load_model(target: Target, folder: Path, variant: str | None = None) -> tuple[nn.Module, dict]:
+    """The trained module in `folder` (fp32, frozen) and its manifest; one-line BenchErrors
+    for another method or variant, another target, a shape mismatch or unreadable weights."""
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(folder)
+    if manifest.get("method") != METHOD:
+        raise BenchError(f"drafter {folder} is a '{manifest.get('method')}' drafter, not mtp")
+    check_target(manifest, target, folder)
+    saved = manifest.get("variant")
+    if saved not in VARIANTS:
+        raise BenchError(f"drafter {folder} has unknown mtp variant '{saved}'")
+    if variant is not None and saved != variant:
+        raise BenchError(f"drafter {folder} is an mtp {saved} drafter, not {variant}")
+    shape = LayerShape.of(target.engine)
+    architecture = manifest.get("architecture", {})
+    expected = asdict(shape)
+    mismatch = [k for k in expected if architecture.get(k) != expected[k]]
+    if mismatch:
+        raise BenchError(f"drafter {folder} has {mismatch[0]}={architecture.get(mismatch[0])}, "
+                         f"the target's layers have {expected[mismatch[0]]}")
+    try:
+        heads = int(architecture.get("heads", 0)) if saved == "parallel" else 0
+        if saved == "parallel" and heads < 1:
+            raise ValueError("no heads")
+    except (TypeError, ValueError):
+        raise BenchError(f"drafter {folder} has a bad head count: {architecture.get('heads')}") from None
+    model = new_model(saved, shape, heads)
+    try:
+        weights = load_file(str(folder / manifest.get("weights", WEIGHTS)))
+    except Exception as exc:
+        raise BenchError(f"cannot read drafter weights in {folder}: {str(exc).splitlines()[0]}") from None
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise BenchError(f"drafter weights in {folder} lack {missing[0]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tuple(weights[name].shape) != tuple(param.shape):
+                raise BenchError(f"drafter weight {name} in {folder} has shape {tuple(weights[name].shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(weights[name].float())
+    model.requires_grad_(False)
+    return model, manifest
