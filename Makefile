@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,24 @@ GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme
+
+# Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
+# (tags b4/b8/b16: dflash and dspark verify k block slots, ddtree a k-node tree, eagle3 a k-node
+# dynamic tree, mtp a k-deep chain); dspark's scheduled verification (tag sched); temperature 1
+# (tag t1; the threshold cut: tag thr); then the confidence head's calibration. Every run is interleaved with its AR baseline.
+SWEEP := $(BIN)/bench run --task humaneval --limit 10 --max-new-tokens 128
+block-sweep: $(STAMP)
+	for k in 4 8 16; do \
+	  $(SWEEP) --tag b$$k --method dflash --option block=$$k && \
+	  $(SWEEP) --tag b$$k --method dspark --option block=$$k --option schedule=none && \
+	  $(SWEEP) --tag b$$k --method ddtree --option budget=$$k && \
+	  $(SWEEP) --tag b$$k --method eagle3 --option total_token=$$((k + 1)) --option depth=$$(( k < 8 ? k : 8 )) && \
+	  $(SWEEP) --tag b$$k --method mtp --option depth=$$k || exit 1; \
+	done
+	$(SWEEP) --tag sched --method dspark
+	$(SWEEP) --tag thr --method dspark --option schedule=threshold --option threshold=0.5
+	for m in dflash dspark eagle3; do $(SWEEP) --tag t1 --temperature 1 --method $$m || exit 1; done
+	$(BIN)/python -m methods.dflash.calibration --task humaneval --limit 10 --max-new-tokens 128
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes.
