@@ -12,8 +12,9 @@ results/<target>/grid-<tag>.json, which the report reads; the grid goes on.
 
 Default plan (CPU, a few hours for the current methods, estimated from the audit and s2
 throughputs; the report's bootstrap intervals show how stable each speedup is): MT-bench
-2 questions per category (16 questions, 32 turns), HumanEval and GSM8K the first 10,
-Spec-Bench 2 per category (26 questions, 42 turns), 128 new tokens, greedy. `--full`:
+1 question per category (8 questions, 16 turns), HumanEval and GSM8K the first 10,
+Spec-Bench 1 per category (13 questions, 21 turns), 128 new tokens, greedy: 57 turns per
+method, about 8 minutes at AR speed (16 tok/s) on one core. `--full`:
 every question of every suite, 256 new tokens, tag `full`.
 """
 
@@ -31,8 +32,8 @@ from bench.errors import BenchError
 
 BASELINE = "ar"
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
-DEFAULT_PLAN: dict[str, dict] = {"mtbench": {"per_category": 2}, "humaneval": {"limit": 10},
-                                 "gsm8k": {"limit": 10}, "specbench": {"per_category": 2}}
+DEFAULT_PLAN: dict[str, dict] = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10},
+                                 "gsm8k": {"limit": 10}, "specbench": {"per_category": 1}}
 DEFAULT_MAX_NEW_TOKENS = 128
 FULL_PLAN: dict[str, dict] = {task: {} for task in DEFAULT_PLAN}
 FULL_MAX_NEW_TOKENS = 256
