@@ -85,6 +85,17 @@ def list_drafters() -> list[tuple[str, str, str, Path]]:
     return found
 
 
+def drafter_info(folder: Path, manifest: dict) -> dict:
+    """What identifies a trained drafter in run records: its folder, steps, export time and a
+    hash of its manifest (a retrained drafter changes the records' settings)."""
+    import hashlib
+
+    training = manifest.get("training", {})
+    digest = hashlib.sha1(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return {"drafter": str(folder), "trained_steps": training.get("steps"),
+            "exported_at": training.get("exported_at"), "manifest_sha": digest}
+
+
 def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict) -> None:
     """Write model.safetensors and drafter.json into `folder`, weights first and the
     manifest last, each by rename from a temp folder: a reader never sees half a drafter."""

@@ -167,11 +167,12 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
 class LoopDecoder:
     """A Drafter bound to a target: the Decoder interface of every loop method."""
 
-    def __init__(self, target, drafter: Drafter) -> None:
+    def __init__(self, target, drafter: Drafter, info: dict | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.name = drafter.name
         self.lossless = drafter.lossless
+        self.info = info  # which trained drafter (recorded with the run's settings)
 
     def run_turn(self, prompt: list[int], config: DecodeConfig,
                  generator: torch.Generator | None = None) -> TurnResult:

@@ -22,9 +22,9 @@ DEFAULT_BUDGET = 16
 
 
 def build(target, options: dict) -> LoopDecoder:
-    model, _ = load_model(target, "dflash", options)
+    model, manifest = load_model(target, "dflash", options)
     settings = BlockSettings(mode="tree", budget=int_option(options, "budget", DEFAULT_BUDGET, 1, 1024))
-    return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD))
+    return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

@@ -30,7 +30,7 @@ SCHEDULES = ("throughput", "threshold", "none")
 def build(target, options: dict) -> LoopDecoder:
     from bench.profile import quick_chain_costs
 
-    model, _ = load_model(target, METHOD, options)
+    model, manifest = load_model(target, METHOD, options)
     if not model.config.confidence:
         raise BenchError("the dspark drafter has no confidence head: train it with `bench train --method dspark`")
     size = model.config.block_size
@@ -44,7 +44,8 @@ def build(target, options: dict) -> LoopDecoder:
     settings = BlockSettings(mode="scheduled", block=int_option(options, "block", size, 1, size),
                              schedule=schedule, threshold=threshold)
     costs = quick_chain_costs(target.engine, settings.block + 1) if schedule == "throughput" else None
-    return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD, verify_seconds=costs))
+    drafter = BlockDrafter(target, model, settings, name=METHOD, verify_seconds=costs)
+    return LoopDecoder(target, drafter, manifest["info"])
 
 
 def train(target, settings) -> dict:

@@ -27,8 +27,8 @@ def dynamic_tree(options: dict) -> TreeSettings:
 
 
 def build(target, options: dict) -> LoopDecoder:
-    head, _ = load_head(target, METHOD, options, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD))
+    head, manifest = load_head(target, METHOD, options, "eagle1")
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

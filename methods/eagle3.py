@@ -20,8 +20,8 @@ METHOD = "eagle3"
 
 
 def build(target, options: dict) -> LoopDecoder:
-    head, _ = load_head(target, METHOD, options, "eagle3")
-    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD))
+    head, manifest = load_head(target, METHOD, options, "eagle3")
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.drafters import check_target, find_drafter, read_manifest
+from bench.drafters import check_target, drafter_info, find_drafter, read_manifest
 from bench.errors import BenchError
 from bench.runner import LoopDecoder
 from methods.dflash.drafter import BlockDrafter, BlockSettings
@@ -55,7 +55,8 @@ def load_model(target, method: str, options: dict) -> tuple[BlockDraftModel, dic
     dtype = getattr(torch, str(options.get("dtype", "bfloat16")), None)
     if not isinstance(dtype, torch.dtype):
         raise BenchError(f"unknown dtype '{options.get('dtype')}'")
-    return model.to(device=target.engine.device, dtype=dtype).eval(), manifest
+    model = model.to(device=target.engine.device, dtype=dtype).eval()
+    return model, dict(manifest, info=drafter_info(folder, manifest))
 
 
 def int_option(options: dict, name: str, default: int, low: int = 1, high: int | None = None) -> int:
@@ -69,10 +70,10 @@ def int_option(options: dict, name: str, default: int, low: int = 1, high: int |
 
 
 def build(target, options: dict) -> LoopDecoder:
-    model, _ = load_model(target, METHOD, options)
+    model, manifest = load_model(target, METHOD, options)
     size = model.config.block_size
     settings = BlockSettings(mode="chain", block=int_option(options, "block", size, 1, size))
-    return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD))
+    return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

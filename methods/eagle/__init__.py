@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.drafters import check_target, find_drafter, read_manifest
+from bench.drafters import check_target, drafter_info, find_drafter, read_manifest
 from bench.errors import BenchError
 from bench.runner import LoopDecoder
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
@@ -41,6 +41,7 @@ def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead,
     dtype = getattr(torch, str(options.get("dtype", "bfloat16")))
     if is_published(folder):
         head, manifest = load_published(target, Path(folder), kind)
+        manifest = dict(manifest, info=drafter_info(folder, manifest))
         return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
     manifest = read_manifest(folder)
     check_target(manifest, target, folder)
@@ -56,6 +57,7 @@ def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead,
         head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
     except RuntimeError as exc:
         raise BenchError(f"drafter {folder} does not fit its architecture: {str(exc).splitlines()[0]}") from None
+    manifest = dict(manifest, info=drafter_info(folder, manifest))
     return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
 
 
@@ -91,7 +93,8 @@ def static_tree(manifest: dict, options: dict) -> TreeSettings:
 
 def build(target, options: dict) -> LoopDecoder:
     head, manifest = load_head(target, METHOD, options, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, options), name=METHOD))
+    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, options), name=METHOD),
+                       manifest["info"])
 
 
 def train(target, settings) -> dict:
