@@ -173,7 +173,7 @@ class BlockDrafter(Drafter):
         """Final hidden states of the block [slots, d] anchored at the root."""
         slots = self.model.config.block_size
         start = self.cache.length  # the root's position
-        x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed.to(self.dtype), slots)
+        x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed, slots)
         positions = torch.arange(start, start + slots, device=self.embed.device)[None]
         return self.model.forward_block(x, positions, self.cache.view())[0]
 
