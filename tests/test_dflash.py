@@ -55,6 +55,9 @@ def test_throughput_admission_stops_at_the_first_drop():
     assert admit_by_throughput([0.9, 0.8, 0.7, 0.6], [1.0, 1.0, 5.0, 1.0, 1.0, 1.0], 0.1) == 0
     # a later slot that would pay off is not reached once one slot does not
     assert admit_by_throughput([0.01, 0.99], [1.0, 1.0, 1.5, 1.5], 0.1) == 0
+    # ... unless looking ahead is allowed (greedy decoding): a cheaper 3-token pass wins
+    assert admit_by_throughput([0.01, 0.99], [1.0, 1.0, 1.5, 1.5], 0.1, look_ahead=True) == 2
+    assert admit_by_throughput([0.5, 0.5], [1.0, 1.0, 2.0, 1.0], 0.0, look_ahead=True) == 2
 
 
 def test_training_blocks_see_only_their_past_and_themselves(default_target):

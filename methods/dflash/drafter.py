@@ -19,9 +19,10 @@ One backbone pass gives every slot's logits U_i (over the draft vocabulary). The
 Losslessness of the DSpark cut: whether slot j is verified depends on c_1..c_j, and c_i
 depends on x_{i-1}, never on x_j itself nor on the target. Given the accepted prefix,
 position j is then either drafted from q_j and rejection-sampled, or sampled from the
-target directly: both give the target's distribution. Admission stops at the first
-position that does not raise the expected throughput (methods.md §10: searching further
-would let the decision about j depend on x_j).
+target directly: both give the target's distribution. With sampling, admission
+stops at the first position that does not raise the expected throughput (methods.md §10:
+searching further would let the decision about j depend on x_j); greedy decoding is
+lossless whatever is drafted, so there the best cut over the whole block is taken.
 """
 
 from __future__ import annotations
@@ -111,19 +112,26 @@ def ddtree(log_probs: Tensor, budget: int) -> tuple[list[int], list[int], list[i
     return tokens, parents, depths
 
 
-def admit_by_throughput(survival: list[float], verify_seconds: list[float], draft_seconds: float) -> int:
+def admit_by_throughput(survival: list[float], verify_seconds: list[float], draft_seconds: float,
+                        look_ahead: bool = False) -> int:
     """Drafts to verify: admit slot j while the expected tokens per second
     (1 + sum_{i<=j} a_i) / (t_draft + t_v(j+1)) keeps rising; stop at the first drop.
-    verify_seconds[k] = t_v(k) for k = 1..len(survival)+1 (index 0 unused)."""
+    verify_seconds[k] = t_v(k) for k = 1..len(survival)+1 (index 0 unused).
+
+    look_ahead: take the best j over the whole block instead. Only for greedy decoding,
+    where the output is the target's argmax whatever is drafted: there the decision about
+    slot j may depend on later slots (hence on x_j), and it pays where t_v(k) is not
+    monotone (on this CPU a 4-token pass is cheaper than a 2- or 3-token one)."""
     best = 1.0 / (draft_seconds + verify_seconds[1])
     expected = 1.0
     admitted = 0
     for j, a in enumerate(survival, start=1):
         expected += a
         value = expected / (draft_seconds + verify_seconds[j + 1])
-        if value <= best:
+        if value > best:
+            best, admitted = value, j
+        elif not look_ahead:
             break
-        best, admitted = value, j
     return admitted
 
 
@@ -218,10 +226,10 @@ class BlockDrafter(Drafter):
         self.draft_seconds = 0.8 * self.draft_seconds + 0.2 * (time.perf_counter() - started) if self.draft_seconds \
             else time.perf_counter() - started
         self.last_confidences = confidences
-        keep = self._cut(confidences, block)
+        keep = self._cut(confidences, block, look_ahead=sampling.greedy)
         return Draft.chain(tokens[:keep], q=torch.stack(q_rows[:keep]) if q_rows and keep else None)
 
-    def _cut(self, confidences: list[float], block: int) -> int:
+    def _cut(self, confidences: list[float], block: int, look_ahead: bool = False) -> int:
         settings = self.settings
         if not confidences or settings.schedule == "none":
             return block
@@ -232,4 +240,4 @@ class BlockDrafter(Drafter):
         for c in confidences:
             running *= c
             survival.append(running)
-        return admit_by_throughput(survival, self.verify_seconds, self.draft_seconds)
+        return admit_by_throughput(survival, self.verify_seconds, self.draft_seconds, look_ahead)
