@@ -28,20 +28,33 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
                 continue
             _, turns = read_records(path)
             row = metrics.summarize(turns, base)
-            rows.append({"task": task_dir.name, "method": method, **row})
+            rounds = sum(len(t["accept_lengths"]) for t in turns)
+            rows.append({"task": task_dir.name, "method": method, **row,
+                         "nodes_per_round": sum(sum(t["tree_sizes"]) for t in turns) / rounds if rounds else 0.0,
+                         "verified_per_accepted": nodes_per_accepted(turns)})
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = ["| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round | tok/s | exact match | near ties "
-             "| mismatches | speedup [95% CI] | model τ·t0/(t_d+t_v) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def nodes_per_accepted(turns: list[dict]) -> float:
+    """Draft tokens verified per accepted draft token (the inverse of draft efficiency)."""
+    accepted = sum(sum(t["accept_lengths"]) for t in turns)
+    return sum(sum(t["tree_sizes"]) for t in turns) / accepted if accepted else float("nan")
+
+
+def format_table(rows: list[dict], tags: bool = False) -> str:
+    """Markdown table; with `tags`, a first column says which series each row is from."""
+    lines = [("| tag " if tags else "") + "| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round "
+             "| nodes/round | verified per accepted | tok/s | exact match | near ties | mismatches | speedup [95% CI] "
+             "| model τ·t0/(t_d+t_v) |",
+             "|---" * (17 + tags) + "|"]
     for row in rows:
         accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
         low, high = row.get("speedup_ci") or (float("nan"), float("nan"))
-        lines.append(f"| {row['task']} | {row['method']} | {row['turns']} | {row['tau']:.2f} | "
+        lines.append((f"| {row['tag']} " if tags else "") + f"| {row['task']} | {row['method']} | {row['turns']} | "
+                     f"{row['tau']:.2f} | "
                      + " | ".join(f"{a:.2f}" for a in accept)
-                     + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['tokens_per_s']:.1f}"
+                     + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['nodes_per_round']:.1f} "
+                     f"| {row['verified_per_accepted']:.1f} | {row['tokens_per_s']:.1f}"
                      + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
                      f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {row.get('speedup_model', float('nan')):.2f}x |")
     return "\n".join(lines)
@@ -50,9 +63,14 @@ def format_table(rows: list[dict]) -> str:
 @click.command()
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--target", default="smollm2-135m", show_default=True)
-@click.option("--tag", default=None)
-def main(results_dir: str, target: str, tag: str | None) -> None:
-    click.echo(format_table(summary_rows(Path(results_dir), target, tag)))
+@click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
+@click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
+def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...]) -> None:
+    rows = []
+    for tag in tags or (None,):
+        rows += [dict(row, tag=tag) for row in summary_rows(Path(results_dir), target, tag)
+                 if not tasks or row["task"] in tasks]
+    click.echo(format_table(rows, tags=len(tags) > 1))
 
 
 if __name__ == "__main__":
