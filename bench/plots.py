@@ -180,11 +180,17 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     tasks = list(rows["task"].unique())
     with matplotlib.rc_context(RC):
         ax = fig.add_subplot()
-        for label, sub in rows.groupby("label", sort=False):
-            for _, row in sub.iterrows():
-                ax.scatter(row["tree_size"], row["tau"], color=_color(row["method"]),
-                           marker=markers[tasks.index(row["task"]) % len(markers)], edgecolor="black", linewidth=0.3)
-            ax.plot([], [], color=_color(sub["method"].iloc[0]), marker="o", linestyle="", label=label)
+        # One legend entry per method; each point is labelled with its series (a budget, a temperature, ...):
+        # series may differ in more than the budget, so points are not joined.
+        seen: set[str] = set()
+        for _, row in rows.iterrows():
+            ax.scatter(row["tree_size"], row["tau"], color=_color(row["method"]),
+                       marker=markers[tasks.index(row["task"]) % len(markers)], edgecolor="black", linewidth=0.3,
+                       label=None if row["method"] in seen else row["method"])
+            seen.add(row["method"])
+            if rows["series"].nunique() > 1:
+                ax.annotate(str(row["series"]), (row["tree_size"], row["tau"]), fontsize=5, xytext=(3, 2),
+                            textcoords="offset points")
         for task in tasks:
             ax.scatter([], [], marker=markers[tasks.index(task) % len(markers)], color="grey", label=task)
         ax.set_xscale("log", base=2)
@@ -193,8 +199,8 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
         ax.set_xlabel("draft nodes verified per round (mean tree size, log scale)")
         ax.set_ylabel("τ (tokens per round)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, out, name, title, "One point per method and task; a method run with several draft budgets "
-                 "(method options, tags) gives several points.")
+    return _save(fig, out, name, title, "One point per method, task and series; a method run with several draft "
+                 "budgets (method options, tags) gives several points, each labelled with its series.")
 
 
 def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
