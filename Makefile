@@ -64,10 +64,12 @@ block-sweep: $(STAMP)
 	$(BIN)/python -m methods.dflash.calibration --task humaneval --limit 10 --max-new-tokens 128
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
-# then the decode loop on CUDA with random-weight targets of published shapes.
+# then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'
+# step costs at those shapes (`python -m bench.gpu_train_check --assets DIR` trains every method on CUDA).
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check
 	$(BIN)/python -m bench.gpu_loop
+	$(BIN)/python -m bench.gpu_drafters
 
 clean:
 	rm -rf $(VENV)
