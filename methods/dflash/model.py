@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench.engine import rms_norm, rotate_half
-from methods.eagle.model import rope_theta
+from methods.eagle.model import layer_shape
 
 
 @dataclass
@@ -55,12 +55,7 @@ class BlockConfig:
 
     @classmethod
     def for_target(cls, target_config, taps: list[int], **kwargs) -> BlockConfig:
-        heads = target_config.num_attention_heads
-        return cls(hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
-                   num_heads=heads, num_kv_heads=target_config.num_key_value_heads,
-                   head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-                   vocab_size=target_config.vocab_size, taps=list(taps), rope_theta=rope_theta(target_config),
-                   rms_norm_eps=target_config.rms_norm_eps, **kwargs)
+        return cls(taps=list(taps), **layer_shape(target_config), **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)

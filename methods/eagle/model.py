@@ -45,17 +45,19 @@ class EagleConfig:
 
     @classmethod
     def for_target(cls, target_config, kind: str, taps: list[int], draft_vocab_size: int | None = None) -> EagleConfig:
-        heads = target_config.num_attention_heads
-        return cls(kind=kind, hidden_size=target_config.hidden_size,
-                   intermediate_size=target_config.intermediate_size, num_heads=heads,
-                   num_kv_heads=target_config.num_key_value_heads,
-                   head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-                   vocab_size=target_config.vocab_size, taps=list(taps),
-                   rope_theta=rope_theta(target_config),
-                   rms_norm_eps=target_config.rms_norm_eps, draft_vocab_size=draft_vocab_size)
+        return cls(kind=kind, taps=list(taps), draft_vocab_size=draft_vocab_size, **layer_shape(target_config))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def layer_shape(config) -> dict:
+    """A draft layer shaped like the target's (an HF config): sizes, heads, RoPE base, norm eps."""
+    heads = config.num_attention_heads
+    return {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size, "num_heads": heads,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "vocab_size": config.vocab_size, "rope_theta": rope_theta(config), "rms_norm_eps": config.rms_norm_eps}
 
 
 def rope_theta(config) -> float:
