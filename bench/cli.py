@@ -62,8 +62,11 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--strict", is_flag=True, help="exit 1 if a greedy turn differs from the baseline")
 @click.option("--option", "options", multiple=True, help="method option key=value (repeatable)")
 @click.option("--drafter", default=None, help="trained drafter folder (default: user-trained, then shipped)")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="whole interleaved passes (method and baseline again); pass k > 1 is tag <tag>.rep<k>, "
+                   "and the speedup is given per pass with its spread")
 def run(method, task, target, limit, per_category, categories, max_new_tokens, temperature, top_k, top_p, seed,
-        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, drafter) -> None:
+        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, drafter, repeats) -> None:
     """Decode a task suite with one method; write records; print tau, a_i, speedup."""
     from bench.run import RunSettings, format_summary
     from bench.run import run as run_task
@@ -79,7 +82,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 
         if not get_method(method).trained:
             raise BenchError(f"method '{method}' takes no drafter (--drafter is for trained methods)")
-    summary = run_task(settings)
+    summary = run_task(settings, repeats)
     click.echo(format_summary(summary))
     row = summary[method]
     if temperature == 0 and row["match_rate"] == row["match_rate"]:

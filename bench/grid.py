@@ -15,7 +15,9 @@ throughputs; the report's bootstrap intervals show how stable each speedup is): 
 1 question per category (8 questions, 16 turns), HumanEval and GSM8K the first 10,
 Spec-Bench 1 per category (13 questions, 21 turns), 128 new tokens, greedy: 57 turns per
 method, about 8 minutes at AR speed (16 tok/s) on one core. `--full`:
-every question of every suite, 256 new tokens, tag `full`.
+every question of every suite, 256 new tokens, tag `full`. `--repeats N`: N whole passes of
+the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every speedup also
+has its spread over passes; already recorded passes are skipped like any finished cell.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Cell:
     task: str
     method: str
     status: str = "planned"
-    records: str = ""  # the tag its records are in (a revision of the grid's tag)
+    records: str = ""  # the tag its records are in (a revision of the grid's tag, with its repeat)
+    repeat: int = 1
     expected_turns: int = 0
     turns: int = 0
 
@@ -123,8 +126,8 @@ def write_manifest(path: Path, manifest: dict) -> None:
 def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: str = "results",
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
-             dry_run: bool = False, echo=print) -> list[Cell]:
-    """Run (or skip, or resume) every cell; returns the cells with their status."""
+             dry_run: bool = False, echo=print, repeats: int = 1) -> list[Cell]:
+    """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status."""
     from bench.records import git_sha
     from bench.run import RunSettings, check_device, record_settings, run
     from bench.target import load_target
@@ -144,7 +147,7 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     # A grid over some tasks or methods keeps what other invocations (earlier, or running
     # beside this one on other tasks) said of the rest: the manifest is re-read under a lock
     # at every save.
-    touched = {(task_name(task), m) for task in plan for m in [*methods, BASELINE]}
+    touched = {(task_name(task), m, r) for task in plan for m in [*methods, BASELINE] for r in range(1, repeats + 1)}
 
     def save() -> None:
         if dry_run:
@@ -155,24 +158,25 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
         with open(manifest_path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             earlier = _read_manifest(manifest_path)
-            kept = [c for c in earlier.get("cells", []) if (c.get("task"), c.get("method")) not in touched]
+            kept = [c for c in earlier.get("cells", [])
+                    if (c.get("task"), c.get("method"), c.get("repeat", 1)) not in touched]
             manifest.update(plan={**earlier.get("plan", {}), **plan},
                             updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             cells=kept + [asdict(c) for c in cells])
             write_manifest(manifest_path, manifest)
 
-    for task, selection in plan.items():
+    def _run_task_cells(task: str, selection: dict, repeat: int) -> None:
         questions = load_task(task, data_dir, selection.get("limit"), (), selection.get("per_category"))
         name = task_name(task)  # a custom .jsonl task is recorded under its stem, as bench run does
         keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
         base_tags = set()
         for method in methods:
-            cell = Cell(name, method, expected_turns=len(keys))
+            cell = Cell(name, method, expected_turns=len(keys), repeat=repeat)
             cells.append(cell)
             settings = RunSettings(method=method, task=task, target=target_spec, max_new_tokens=max_new_tokens,
                                    device=device, dtype=dtype, limit=selection.get("limit"),
                                    per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
-                                   results_dir=results_dir)
+                                   results_dir=results_dir, repeat=repeat)
             try:
                 decoder = build_decoder(method, target, settings.method_options)
             except BenchError as exc:  # e.g. no trained drafter for this target
@@ -184,10 +188,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             base_wanted = _normalized(record_settings(settings, BASELINE, target, base_decoder))
             del decoder
 
-            settings.tag = cell.records = choose_tag(results_dir, target.name, name, method, tag, wanted,
-                                                     base_wanted)
-            base_tags.add(settings.tag)
-            method_path, base_path = cell_paths(results_dir, target.name, name, method, settings.tag)
+            # The revision is chosen on pass 1's files; pass k > 1 is recorded beside it.
+            settings.tag = choose_tag(results_dir, target.name, name, method, tag, wanted, base_wanted)
+            cell.records = settings.records_tag
+            base_tags.add(cell.records)
+            method_path, base_path = cell_paths(results_dir, target.name, name, method, cell.records)
             if keys <= _done_keys(method_path) and keys <= _done_keys(base_path):
                 cell.status = "up to date (skipped)"
             elif dry_run:
@@ -206,8 +211,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             _, base_path = cell_paths(results_dir, target.name, name, BASELINE, base_tag)
             done = len(keys & _done_keys(base_path))
             status = "baseline" if done == len(keys) else "baseline, to run" if dry_run else "baseline, partial"
-            cells.append(Cell(name, BASELINE, status, base_tag, len(keys), done))
+            cells.append(Cell(name, BASELINE, status, base_tag, repeat=repeat, expected_turns=len(keys), turns=done))
         save()
+
+    for repeat in range(1, repeats + 1):
+        for task, selection in plan.items():
+            _run_task_cells(task, selection, repeat)
     return cells
 
 
@@ -223,9 +232,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--data-dir", default=None)
 @click.option("--results-dir", default="results", show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="whole passes of the grid (pass k > 1: tag <tag>.rep<k>); speedups get their spread over passes")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         dry_run) -> None:
+         repeats, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
@@ -235,7 +246,8 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
         cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
-                         device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True))
+                         device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
+                         repeats=repeats)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -8,6 +8,8 @@
 - Speedup is a ratio of sums over the turns both runs finished:
   (ΣT_base / ΣN_base) / (ΣT_method / ΣN_method), T = TTFT + decode time. Beside it, the
   speedup model τ · t0 / (t_d + t_v) from the measured per-round times.
+- Repeats (`bench run --repeats`): a turn pairs with the baseline turn of its own repeat;
+  pooled figures pool the repeats, and the speedup of each repeat is kept for its spread.
 """
 
 from __future__ import annotations
@@ -86,11 +88,14 @@ def draft_time_per_round(turns: list[dict]) -> float:
     return sum(t["draft_time"] for t in turns) / rounds if rounds else float("nan")
 
 
+def _pair_key(turn: dict) -> tuple[str, int, int]:
+    return str(turn["question_id"]), turn["turn"], turn.get("repeat", 1)
+
+
 def paired(method: list[dict], base: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Turns both runs finished, in the same order."""
-    base_by_key = {(str(t["question_id"]), t["turn"]): t for t in base}
-    pairs = [(t, base_by_key[(str(t["question_id"]), t["turn"])]) for t in method
-             if (str(t["question_id"]), t["turn"]) in base_by_key]
+    """Turns both runs finished (the same question, turn and repeat), in the same order."""
+    base_by_key = {_pair_key(t): t for t in base}
+    pairs = [(t, base_by_key[_pair_key(t)]) for t in method if _pair_key(t) in base_by_key]
     return [m for m, _ in pairs], [b for _, b in pairs]
 
 
@@ -103,6 +108,22 @@ def _ratio_of_sums(method: list[dict], base: list[dict]) -> float:
 def speedup(method: list[dict], base: list[dict]) -> float:
     method, base = paired(method, base)
     return _ratio_of_sums(method, base) if method else float("nan")
+
+
+def speedup_per_repeat(method: list[dict], base: list[dict]) -> list[float]:
+    """The speedup of each repeat on its own (one value for a single pass)."""
+    repeats = sorted({t.get("repeat", 1) for t in method})
+    return [speedup([t for t in method if t.get("repeat", 1) == r], base) for r in repeats]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the finite values; nan when there are none."""
+    finite = sorted(v for v in values if v == v)
+    if not finite:
+        return float("nan"), float("nan"), float("nan")
+    middle = len(finite) // 2
+    median = finite[middle] if len(finite) % 2 else (finite[middle - 1] + finite[middle]) / 2
+    return median, finite[0], finite[-1]
 
 
 def speedup_interval(method: list[dict], base: list[dict], samples: int = 1000,
@@ -144,6 +165,7 @@ def match_rate(turns: list[dict]) -> float:
 def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
     row = {
         "turns": len(method),
+        "repeats": len({t.get("repeat", 1) for t in method}),
         "new_tokens": sum(len(t["tokens"]) for t in method),
         "tau": tau(method),
         "accept_uncond": acceptance_unconditional(method),
@@ -161,5 +183,6 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
     if base is not None:
         row["speedup"] = speedup(method, base)
         row["speedup_ci"] = speedup_interval(method, base)
+        row["speedup_repeats"] = speedup_per_repeat(method, base)
         row["speedup_model"] = modelled_speedup(method, base)
     return row

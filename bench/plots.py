@@ -281,7 +281,8 @@ def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
     series: dict[str, list[tuple[float, float]]] = {}
     for run in records.runs:
         offset = 0.0
-        label = f"{run.method} on {run.task}" + (f" [{run.series}]" if run.series else "")
+        label = f"{run.method} on {run.task}" + (f" [{run.series}]" if run.series else "") + (
+            f" pass {run.repeat}" if run.repeat > 1 else "")
         for turn in run.turns:
             util = turn.get("utilization") or {}
             if util.get("kind") != "gpu" or not util.get("series"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +29,27 @@ PACKAGES = ("torch", "transformers", "gguf", "triton", "pandas", "numpy", "safet
 def records_path(results_dir: Path, target: str, task: str, method: str, tag: str | None = None) -> Path:
     name = f"{method}-{tag}" if tag else method
     return Path(results_dir) / target / task / f"{name}.jsonl"
+
+
+# Repeat k > 1 of a series is a whole second pass (method and its AR baseline, interleaved
+# again) kept in its own files, `<method>-<tag>.rep<k>.jsonl`: finished repeats are never
+# appended to, and a report pairs each method turn with the baseline turn of its own repeat.
+REPEAT = re.compile(r"^(?:(?P<tag>.+)\.)?rep(?P<repeat>\d+)$")
+
+
+def repeat_tag(tag: str | None, repeat: int) -> str | None:
+    """The tag that repeat `repeat` (1-based) of series `tag` is recorded under."""
+    if repeat < 1:
+        raise BenchError(f"repeat must be 1 or more, not {repeat}")
+    if repeat == 1:
+        return tag
+    return f"{tag}.rep{repeat}" if tag else f"rep{repeat}"
+
+
+def split_repeat(tag: str | None) -> tuple[str, int]:
+    """(tag of repeat 1, repeat number) of a recorded tag: "grid.rep2" -> ("grid", 2)."""
+    match = REPEAT.match(tag or "")
+    return (match["tag"] or "", int(match["repeat"])) if match else (tag or "", 1)
 
 
 def git_sha() -> str:

@@ -9,7 +9,9 @@ Series and revisions: a record file is `<method>-<tag>.jsonl`. A tag `X.rN` is r
 of series X (bench.grid starts one when settings or drafter changed, instead of touching
 finished records); per (task, method) a report shows the newest revision and lists the
 older ones as superseded. A method's speedup is always against the AR baseline of the same
-tag, i.e. the run it was interleaved with.
+tag, i.e. the run it was interleaved with. Repeats (`X.rep2`, `X.r2.rep3`: bench.records) of
+the newest revision are pooled, each turn paired within its own repeat, and the tables give
+the speedup's spread over repeats beside its bootstrap interval.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pandas as pd
 
 from bench import metrics
 from bench.errors import BenchError
+from bench.records import split_repeat
 
 BASELINE = "ar"
 REQUIRED = ("question_id", "turn", "tokens", "ttft", "decode_time", "draft_time", "verify_time",
@@ -50,6 +53,7 @@ class RunFile:
     tag: str  # "" when untagged
     series: str
     revision: int
+    repeat: int  # 1, or k for a file of tag `<tag>.rep<k>`
     headers: list[dict]
     turns: list[dict]  # valid turn records, question_id prefixed with the task (see _key)
 
@@ -75,7 +79,7 @@ class Records:
                 util = record.get("utilization") or {}
                 rounds = len(record["accept_lengths"])
                 rows.append({"target": run.target, "task": run.task, "tag": run.tag, "method": run.method,
-                             "question_id": record["question_id"].split("/", 1)[1],
+                             "repeat": run.repeat, "question_id": record["question_id"].split("/", 1)[1],
                              "category": record.get("category", ""), "turn": record["turn"],
                              "tokens": len(record["tokens"]), "ttft_s": record["ttft"],
                              "decode_s": record["decode_time"], "draft_s": record["draft_time"],
@@ -127,10 +131,11 @@ def _read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list
     return headers, turns
 
 
-def _key(task: str, record: dict) -> dict:
+def _key(task: str, repeat: int, record: dict) -> dict:
     """Question ids repeat across suites (gsm8k and specbench both count from 1): prefix the
-    task so turns pooled over tasks still pair with their own baseline turn."""
-    return {**record, "question_id": f"{task}/{record['question_id']}"}
+    task so turns pooled over tasks still pair with their own baseline turn; the repeat comes
+    from the file (bench.metrics pairs on it)."""
+    return {**record, "question_id": f"{task}/{record['question_id']}", "repeat": repeat}
 
 
 def _read_run(path: Path, target: str, task: str, problems: list[Problem]) -> RunFile | None:
@@ -148,8 +153,10 @@ def _read_run(path: Path, target: str, task: str, problems: list[Problem]) -> Ru
     if others:  # RunFile refuses this; a hand-edited file could still hold it
         problems.append(Problem("mixed settings", str(path), f"headers {others} differ from the first; "
                                 "numbers pool runs of different settings"))
-    series, revision = split_tag(tag)
-    return RunFile(path, target, task, method, tag, series, revision, headers, [_key(task, t) for t in turns])
+    revision_tag, repeat = split_repeat(tag)
+    series, revision = split_tag(revision_tag)
+    return RunFile(path, target, task, method, tag, series, revision, repeat, headers,
+                   [_key(task, repeat, t) for t in turns])
 
 
 def _selected(value: str, wanted: tuple[str, ...] | None) -> bool:
@@ -180,22 +187,23 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
                 run = _read_run(path, target_dir.name, task_dir.name, problems)
                 method, _, tag = path.stem.partition("-")  # a file without a header still counts as seen
                 method, tag = (run.method, run.tag) if run else (method, tag)
-                if not _selected(method, methods) or not _selected(split_tag(tag)[0], tags):
+                if not _selected(method, methods) or not _selected(split_tag(split_repeat(tag)[0])[0], tags):
                     continue
                 seen += 1
                 if run is not None:
                     found.setdefault((run.target, run.task, run.method, run.series), []).append(run)
     runs, superseded = [], []
     for revisions in found.values():
-        revisions.sort(key=lambda r: r.revision)
-        newest = next((r for r in reversed(revisions) if r.turns), revisions[-1])
-        runs.append(newest)
+        revisions.sort(key=lambda r: (r.revision, r.repeat))
+        newest = next((r for r in reversed(revisions) if r.turns), revisions[-1]).revision
+        kept = [r for r in revisions if r.revision == newest]  # with all of its repeats
+        runs += kept
         for old in revisions:
-            if old is not newest:
+            if old.revision != newest:
                 superseded.append(old)
                 problems.append(Problem("superseded", str(old.path), "an older revision of the series (other "
-                                        f"settings); the tables use {newest.path.name}"))
-    runs.sort(key=lambda r: (r.target, r.task, r.series, r.method != BASELINE, r.method))
+                                        f"settings); the tables use {kept[0].path.name}"))
+    runs.sort(key=lambda r: (r.target, r.task, r.series, r.method != BASELINE, r.method, r.repeat))
     if not seen:
         where = ", ".join(f"{k} {' '.join(v)}" for k, v in (("target", targets), ("task", tasks),
                                                            ("method", methods), ("tag", tags)) if v)
@@ -247,14 +255,14 @@ def _read_manifests(target_dir: Path, tags: tuple[str, ...] | None, problems: li
 def _check_coverage(records: Records) -> None:
     """Partial runs: fewer turns than the baseline or the grid's plan; second turns missing;
     methods without a baseline; grid cells that did not run."""
-    by_key = {(r.target, r.task, r.series, r.method): r for r in records.runs}
+    by_key = {(r.target, r.task, r.series, r.method, r.repeat): r for r in records.runs}
     for run in records.runs:
         where = str(run.path)
         keys = {(t["question_id"], t["turn"]) for t in run.turns}
         if not run.turns:
             records.problems.append(Problem("empty", where, "header only: no finished turn"))
         if run.method != BASELINE:
-            base = by_key.get((run.target, run.task, run.series, BASELINE))
+            base = by_key.get((run.target, run.task, run.series, BASELINE, run.repeat))
             if base is None:
                 records.problems.append(Problem("no baseline", where, f"no {BASELINE}-{run.tag or '(untagged)'} "
                                                 "records beside it: no speedup"))
@@ -280,7 +288,8 @@ def _check_coverage(records: Records) -> None:
             where = f"{manifest['path']}: {cell.get('method')} on {cell.get('task')}"
             if status.startswith(("not run", "failed")):
                 records.problems.append(Problem("not run", where, status))
-            run = by_key.get((manifest["target"], cell.get("task"), manifest["tag"], cell.get("method")))
+            run = by_key.get((manifest["target"], cell.get("task"), manifest["tag"], cell.get("method"),
+                              cell.get("repeat", 1)))
             expected = cell.get("expected_turns")
             if run is not None and expected and len(run.turns) < expected:
                 records.problems.append(Problem("partial", str(run.path),
@@ -372,6 +381,8 @@ def display_table(frame: pd.DataFrame) -> pd.DataFrame:
     if "task" not in frame and frame["tasks"].nunique() > 1:
         keys.append("tasks")
     show_gpu = frame["gpu_util"].notna().any()
+    show_repeats = "speedup_repeats" in frame and any(isinstance(v, list) and len(v) > 1
+                                                       for v in frame["speedup_repeats"])
     rows = []
     for _, r in frame.iterrows():
         row = {("tag" if k == "series" else k): r[k] for k in keys}
@@ -385,6 +396,8 @@ def display_table(frame: pd.DataFrame) -> pd.DataFrame:
             row["speedup [95% CI]"] = f"{r['speedup']:.2f}x [{_num(low, '.2f')}, {_num(high, '.2f')}]"
         else:
             row["speedup [95% CI]"] = "- (no baseline)"
+        if show_repeats:
+            row["speedup over repeats"] = _repeat_spread(r.get("speedup_repeats"), r["method"])
         row["tok/s"] = _num(r["tokens_per_s"], ".1f")
         row["TTFT ms"] = _num(r["ttft_s"], ".0f", 1e3)
         row["TPOT ms"] = _num(r["tpot_s"], ".1f", 1e3)
@@ -401,6 +414,18 @@ def display_table(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _repeat_spread(values: object, method: str) -> str:
+    """"median [min, max] (n repeats)" of the per-repeat speedups."""
+    if method == BASELINE:
+        return "-"
+    if not isinstance(values, list) or not values:
+        return "- (no baseline)"
+    median, least, most = metrics.spread(values)
+    if len(values) == 1:
+        return f"{_num(median, '.2f')}x (1 pass)"
+    return f"{_num(median, '.2f')}x [{_num(least, '.2f')}, {_num(most, '.2f')}] ({len(values)} passes)"
+
+
 def csv_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Raw numbers: lists (acceptance, histogram) as JSON, the CI as two columns."""
     out = frame.copy()
@@ -410,7 +435,7 @@ def csv_table(frame: pd.DataFrame) -> pd.DataFrame:
     if ci is not None:
         out["speedup_ci_low"] = [c[0] if isinstance(c, (tuple, list)) else math.nan for c in ci]
         out["speedup_ci_high"] = [c[1] if isinstance(c, (tuple, list)) else math.nan for c in ci]
-    for column in ("accept_uncond", "accept_cond", "accept_hist"):
+    for column in ("accept_uncond", "accept_cond", "accept_hist", "speedup_repeats"):
         if column in out:
             out[column] = [json.dumps(v) for v in out[column]]
     return out
@@ -503,11 +528,18 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
     """What `bench report --readme` writes between the README's markers."""
     from bench.html_report import load_references, references_table
 
-    sizes = "; ".join(f"{task}: {int(n)} turns" for task, n in tables.per_task[tables.per_task["method"] == BASELINE]
-                      .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
+    baselines: dict[tuple[str, str], list[RunFile]] = {}
+    for run in records.runs:
+        if run.method == BASELINE:
+            baselines.setdefault((run.task, run.series), []).append(run)
+    several = len({series for _, series in baselines}) > 1
+    sizes = "; ".join(f"{task}{f' [{series}]' if several else ''}: {max(len(r.turns) for r in runs)} turns"
+                      + (f" x {len(runs)} passes" if len(runs) > 1 else "")
+                      for (task, series), runs in sorted(baselines.items())) or "none"
     series = ", ".join(sorted({r.tag or "(untagged)" for r in records.runs})) or "none"
     note = (f"\n\nRecords: tag(s) {series} (`{command}`). Sample sizes (AR turns per task): {sizes}. Speedup: "
-            "ratio of sums against the AR baseline of the same tag, 95% bootstrap interval over paired turns. "
+            "ratio of sums against the AR baseline of the same tag and pass, 95% bootstrap interval over paired "
+            "turns; where a task has several passes, \"speedup over repeats\" is the median [min, max] of the passes. "
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\".")
     refs = references_table(load_references())
     return {"report": to_markdown(display_table(tables.overall)) + note,

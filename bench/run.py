@@ -3,13 +3,15 @@
 For every question, turn by turn: the baseline turn (unless already recorded) and then
 the method's turn, so both see the same machine state. Each side carries its own
 conversation: turn 2 is asked after that side's own first answer (as in Spec-Bench).
-Finished turns are read back from the records and skipped.
+Finished turns are read back from the records and skipped. `repeat` k > 1 is another whole
+interleaved pass, recorded beside the first under the tag `<tag>.rep<k>` (bench.records), so a
+speedup can be given with its spread over repeats.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from tqdm import tqdm
 from bench import metrics
 from bench.errors import BenchError
 from bench.monitor import UtilizationMonitor
-from bench.records import RunFile, records_path
+from bench.records import RunFile, records_path, repeat_tag
 from bench.runner import DecodeConfig
 from bench.sampling import SamplingConfig
 from tasks import Question, load_task, task_name
@@ -46,6 +48,11 @@ class RunSettings:
     results_dir: str = "results"
     baseline: bool = True
     method_options: dict = field(default_factory=dict)
+    repeat: int = 1  # which pass of the series this is (1-based); k > 1 goes to tag `<tag>.rep<k>`
+
+    @property
+    def records_tag(self) -> str | None:
+        return repeat_tag(self.tag, self.repeat)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -98,7 +105,7 @@ class Side:
             "draft_time": result.draft_time, "verify_time": result.verify_time,
             "rounds": len(result.accept_lengths), "proposed_lengths": result.proposed_lengths,
             "accept_lengths": result.accept_lengths, "tree_sizes": result.tree_sizes,
-            "utilization": monitor.summary(),
+            "utilization": monitor.summary(), "repeat": settings.repeat,
         }
         record.update(compare_with_baseline(record, baseline, settings, target, prompt))
         self.records.add_turn(record)
@@ -179,8 +186,25 @@ def check_device(device: str | None) -> None:
             raise BenchError(f"device '{device}' does not exist ({torch.cuda.device_count()} CUDA devices)")
 
 
-def run(settings: RunSettings) -> dict:
-    """Run a task; returns the summary rows (method and baseline)."""
+def run(settings: RunSettings, repeats: int = 1) -> dict:
+    """Run a task (`repeats` whole passes, from `settings.repeat` on); returns the summary rows
+    (method and baseline) pooled over the passes, each turn paired within its own pass."""
+    turns: dict[str, list[dict]] = {}
+    paths: dict[str, list[str]] = {}
+    for repeat in range(settings.repeat, settings.repeat + repeats):
+        for name, (side_turns, path) in _run_pass(replace(settings, repeat=repeat)).items():
+            turns.setdefault(name, []).extend({**t, "repeat": repeat} for t in side_turns)
+            paths.setdefault(name, []).append(path)
+    base_turns = turns.get(BASELINE) if settings.method != BASELINE else None
+    summary = {settings.method: metrics.summarize(turns[settings.method], base_turns)}
+    if base_turns is not None:
+        summary[BASELINE] = metrics.summarize(base_turns)
+    summary["_paths"] = {name: ", ".join(found) for name, found in paths.items()}
+    return summary
+
+
+def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
+    """One interleaved pass over the task: {side: (its finished turns, its record file)}."""
     from bench.target import load_target, parse_dtype
     from methods import build_decoder, get_method
 
@@ -197,14 +221,14 @@ def run(settings: RunSettings) -> dict:
     results_dir = Path(settings.results_dir)
     task = task_name(settings.task)
     decoder = build_decoder(settings.method, target, settings.method_options)
-    path = records_path(results_dir, target.name, task, settings.method, settings.tag)
+    path = records_path(results_dir, target.name, task, settings.method, settings.records_tag)
     method_side = Side(settings.method, decoder,
                        RunFile(path, record_settings(settings, settings.method, target, decoder),
                                str(target.engine.device)))
     baseline_side = None
     if settings.baseline and settings.method != BASELINE:
         base_decoder = build_decoder(BASELINE, target)
-        base_path = records_path(results_dir, target.name, task, BASELINE, settings.tag)
+        base_path = records_path(results_dir, target.name, task, BASELINE, settings.records_tag)
         baseline_side = Side(BASELINE, base_decoder,
                              RunFile(base_path, record_settings(settings, BASELINE, target, base_decoder),
                                      str(target.engine.device)))
@@ -213,7 +237,8 @@ def run(settings: RunSettings) -> dict:
     if any(side.records.done(*key) is None for side in sides for key in keys):
         warm_up(sides, target, config)  # nothing to time when every turn is read back
     total_turns = sum(len(q.turns) for q in questions)
-    with tqdm(total=total_turns, desc=f"{settings.method} on {task}", unit="turn") as progress:
+    label = f"{settings.method} on {task}" + (f" (repeat {settings.repeat})" if settings.repeat > 1 else "")
+    with tqdm(total=total_turns, desc=label, unit="turn") as progress:
         for question in questions:
             conversations = {side.name: [] for side in sides}
             for turn, user_text in enumerate(question.turns, start=1):
@@ -224,13 +249,8 @@ def run(settings: RunSettings) -> dict:
                                         baseline_side if side is method_side else None)
                     messages.append({"role": "assistant", "content": reply})
                 progress.update(1)
-    method_turns = [r for k, r in method_side.records.turns.items() if k in keys]
-    summary = {settings.method: metrics.summarize(
-        method_turns, [r for k, r in baseline_side.records.turns.items() if k in keys] if baseline_side else None)}
-    if baseline_side is not None:
-        summary[BASELINE] = metrics.summarize([r for k, r in baseline_side.records.turns.items() if k in keys])
-    summary["_paths"] = {side.name: str(side.records.path) for side in sides}
-    return summary
+    return {side.name: ([r for k, r in side.records.turns.items() if k in keys], str(side.records.path))
+            for side in sides}
 
 
 def format_summary(summary: dict, positions: int = 6) -> str:
@@ -238,6 +258,7 @@ def format_summary(summary: dict, positions: int = 6) -> str:
     header = (f"{'method':<10} {'turns':>5} {'tokens':>7} {'tau':>5} {'tok/s':>7} {'TTFT ms':>8} "
               f"{'TPOT ms':>8} {'speedup (95% CI)':>20} {'model':>6} {'match':>6}  accept a_i (conditional)")
     lines = [header, "-" * len(header)]
+    spreads = []
     for name, row in summary.items():
         if name.startswith("_"):
             continue
@@ -246,11 +267,16 @@ def format_summary(summary: dict, positions: int = 6) -> str:
             low, high = row["speedup_ci"]
             speed = f"{row['speedup']:.2f}x [{low:.2f},{high:.2f}]"
             model = f"{row['speedup_model']:.2f}x"
+            if len(row["speedup_repeats"]) > 1:
+                median, least, most = metrics.spread(row["speedup_repeats"])
+                spreads.append(f"{name}: speedup per repeat " + ", ".join(f"{v:.2f}x" for v in row["speedup_repeats"])
+                               + f" (median {median:.2f}x, min {least:.2f}x, max {most:.2f}x)")
         match = "" if row["match_rate"] != row["match_rate"] else f"{100 * row['match_rate']:.0f}%"
         accept = " ".join(f"{a:.2f}" for a in row["accept_cond"][:positions])
         lines.append(f"{name:<10} {row['turns']:>5} {row['new_tokens']:>7} {row['tau']:>5.2f} "
                      f"{row['tokens_per_s']:>7.1f} {1000 * row['ttft_s']:>8.1f} {1000 * row['tpot_s']:>8.1f} "
                      f"{speed:>20} {model:>6} {match:>6}  {accept}")
+    lines += spreads
     for name, path in summary.get("_paths", {}).items():
         lines.append(f"records ({name}): {path}")
     return "\n".join(lines)

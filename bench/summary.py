@@ -2,6 +2,7 @@
 record files, so figures quoted anywhere come from kept records.
 
     python -m bench.summary --target smollm2-135m --tag audit
+    python -m bench.summary --tag grid --readme grid   # also rewrite README.md's `grid` block
 """
 
 from __future__ import annotations
@@ -11,28 +12,45 @@ from pathlib import Path
 import click
 
 from bench import metrics
-from bench.records import read_records
+from bench.errors import BenchError
+from bench.records import read_records, split_repeat
+from bench.report import update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
     rows = []
-    suffix = f"-{tag}.jsonl" if tag else ".jsonl"
+    if not (results_dir / target).is_dir():
+        return rows
     for task_dir in sorted((results_dir / target).iterdir()):
         if not task_dir.is_dir() or task_dir.name == "peers":
             continue
-        base_path = task_dir / f"ar{suffix}"
-        _, base = read_records(base_path) if base_path.exists() else ([], [])
-        for path in sorted(task_dir.glob(f"*{suffix}")):
-            method = path.name[: -len(suffix)]
-            if method == "ar" or (not tag and "-" in method):
+        files = series_files(task_dir, tag)
+        base = _turns(files.get("ar", []))
+        for method, paths in sorted(files.items()):
+            if method == "ar":
                 continue
-            _, turns = read_records(path)
+            turns = _turns(paths)
             row = metrics.summarize(turns, base)
             rounds = sum(len(t["accept_lengths"]) for t in turns)
             rows.append({"task": task_dir.name, "method": method, **row,
                          "nodes_per_round": sum(sum(t["tree_sizes"]) for t in turns) / rounds if rounds else 0.0,
                          "verified_per_accepted": nodes_per_accepted(turns)})
     return rows
+
+
+def series_files(task_dir: Path, tag: str | None) -> dict[str, list[tuple[int, Path]]]:
+    """{method: [(repeat, record file)]} of one series in a task folder, its repeats included."""
+    found: dict[str, list[tuple[int, Path]]] = {}
+    for path in sorted(task_dir.glob("*.jsonl")):
+        method, _, file_tag = path.stem.partition("-")
+        series, repeat = split_repeat(file_tag)
+        if series == (tag or ""):
+            found.setdefault(method, []).append((repeat, path))
+    return found
+
+
+def _turns(files: list[tuple[int, Path]]) -> list[dict]:
+    return [{**t, "repeat": repeat} for repeat, path in files for t in read_records(path)[1]]
 
 
 def nodes_per_accepted(turns: list[dict]) -> float:
@@ -42,21 +60,30 @@ def nodes_per_accepted(turns: list[dict]) -> float:
 
 
 def format_table(rows: list[dict], tags: bool = False) -> str:
-    """Markdown table; with `tags`, a first column says which series each row is from."""
+    """Markdown table; with `tags`, a first column says which series each row is from. Where
+    some row pools several passes (`bench run --repeats`), a last column gives the speedup of
+    each pass: median [min, max]."""
+    repeats = any(len(row.get("speedup_repeats", [])) > 1 for row in rows)
     lines = [("| tag " if tags else "") + "| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round "
              "| nodes/round | verified per accepted | tok/s | exact match | near ties | mismatches | speedup [95% CI] "
-             "| model τ·t0/(t_d+t_v) |",
-             "|---" * (17 + tags) + "|"]
+             "| model τ·t0/(t_d+t_v) |" + (" speedup per pass |" if repeats else ""),
+             "|---" * (17 + tags + repeats) + "|"]
     for row in rows:
         accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
         low, high = row.get("speedup_ci") or (float("nan"), float("nan"))
-        lines.append((f"| {row['tag']} " if tags else "") + f"| {row['task']} | {row['method']} | {row['turns']} | "
-                     f"{row['tau']:.2f} | "
-                     + " | ".join(f"{a:.2f}" for a in accept)
-                     + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['nodes_per_round']:.1f} "
-                     f"| {row['verified_per_accepted']:.1f} | {row['tokens_per_s']:.1f}"
-                     + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
-                     f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {row.get('speedup_model', float('nan')):.2f}x |")
+        line = ((f"| {row['tag']} " if tags else "") + f"| {row['task']} | {row['method']} | {row['turns']} | "
+                f"{row['tau']:.2f} | "
+                + " | ".join(f"{a:.2f}" for a in accept)
+                + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['nodes_per_round']:.1f} "
+                f"| {row['verified_per_accepted']:.1f} | {row['tokens_per_s']:.1f}"
+                + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
+                f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {row.get('speedup_model', float('nan')):.2f}x |")
+        if repeats:
+            passes = row.get("speedup_repeats", [])
+            median, least, most = metrics.spread(passes)
+            line += (f" {median:.2f}x [{least:.2f}, {most:.2f}] ({len(passes)} passes) |" if len(passes) > 1
+                     else f" {median:.2f}x (1 pass) |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -65,12 +92,25 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
 @click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
-def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...]) -> None:
+@click.option("--readme", "block", default=None, metavar="NAME",
+              help="also write the table between README.md's '<!-- NAME:start -->' and ':end' markers")
+@click.option("--readme-path", default="README.md", show_default=True)
+def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...], block: str | None,
+         readme_path: str) -> None:
     rows = []
     for tag in tags or (None,):
         rows += [dict(row, tag=tag) for row in summary_rows(Path(results_dir), target, tag)
                  if not tasks or row["task"] in tasks]
-    click.echo(format_table(rows, tags=len(tags) > 1))
+    if not rows:
+        raise click.ClickException(f"no records for target '{target}' with tag(s) {', '.join(map(str, tags)) or '-'}"
+                                   f" under {results_dir}")
+    table = format_table(rows, tags=len(tags) > 1)
+    click.echo(table)
+    if block:
+        try:
+            update_readme(Path(readme_path), {block: table})
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -179,3 +179,28 @@ def test_run_writes_records_and_resumes(tiny_task, tmp_path):
     assert [(t["question_id"], t["turn"]) for t in regenerated] == [("q1", 1), ("q1", 2), ("q2", 1)]
     for new, old in zip(regenerated, turns, strict=True):
         assert (new["tokens"], new["text"], new["prompt_hash"]) == (old["tokens"], old["text"], old["prompt_hash"])
+
+
+def test_run_repeats_are_whole_passes_paired_within_themselves(tiny_task, tmp_path):
+    from bench import metrics
+    from bench.run import RunSettings, run
+
+    settings = RunSettings(method="pld", task=str(tiny_task), max_new_tokens=8, device="cpu", tag="x",
+                           results_dir=str(tmp_path / "results"))
+    summary = run(settings, repeats=2)
+    folder = tmp_path / "results" / "smollm2-135m" / "tiny"
+    assert sorted(p.name for p in folder.iterdir()) == ["ar-x.jsonl", "ar-x.rep2.jsonl", "pld-x.jsonl",
+                                                        "pld-x.rep2.jsonl"]
+    passes = {name: [read_records(folder / f"{name}-{tag}.jsonl")[1] for tag in ("x", "x.rep2")]
+              for name in ("ar", "pld")}
+    first, second = passes["pld"]
+    assert [t["tokens"] for t in second] == [t["tokens"] for t in first]  # greedy: the same tokens again
+    assert {t["repeat"] for t in first} == {1} and {t["repeat"] for t in second} == {2}
+    assert all(t["exact_match"] for t in first + second)
+    row = summary["pld"]
+    assert row["turns"] == 6 and row["repeats"] == 2
+    assert row["speedup_repeats"] == [metrics.speedup(first, passes["ar"][0]), metrics.speedup(second, passes["ar"][1])]
+    both = [t for p in passes["pld"] for t in p], [t for p in passes["ar"] for t in p]
+    assert row["speedup"] == pytest.approx(metrics._ratio_of_sums(*both))
+    run(settings, repeats=2)  # both passes recorded: nothing is decoded again
+    assert read_records(folder / "pld-x.rep2.jsonl")[1] == second

@@ -135,7 +135,7 @@ def test_table_writers(tmp_path):
     written = write_tables(tables, tmp_path / "out", load_records(tmp_path))
     assert sorted(p.name for p in written)[:3] == ["overall.csv", "overall.md", "overall.tex"]
     turns = (tmp_path / "out" / "tables" / "turns.csv").read_text().splitlines()
-    assert len(turns) == 1 + 10 and f"{TARGET},gsm8k,t,pld,1,math,1,10," in "\n".join(turns)
+    assert len(turns) == 1 + 10 and f"{TARGET},gsm8k,t,pld,1,1,math,1,10," in "\n".join(turns)
     csv = (tmp_path / "out" / "tables" / "overall.csv").read_text().splitlines()
     assert "speedup_ci_low" in csv[0] and "accept_cond" in csv[0]
     assert any(line.startswith(f"{TARGET},t,pld,") and ",2.4," in line for line in csv)
@@ -270,10 +270,10 @@ def fake_bench(monkeypatch):
         return SimpleNamespace(lossless=True)
 
     def fake_run(settings):
-        calls.append(settings.tag)
+        calls.append(settings.records_tag)
         questions = load_task(settings.task, settings.data_dir, settings.limit, (), settings.per_category)
         for method in (settings.method, "ar"):
-            path = records_path(settings.results_dir, TARGET, task_name(settings.task), method, settings.tag)
+            path = records_path(settings.results_dir, TARGET, task_name(settings.task), method, settings.records_tag)
             recorded = bench.run.record_settings(settings, method, _FakeTarget, build_decoder(method, None))
             records = RunFile(path, recorded, "cpu")
             for q in questions:
@@ -294,9 +294,10 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     results = tmp_path / "results"
     plan = {str(tiny_task): {}}
 
-    def grid(tokens: int) -> dict:
-        cells = run_grid(plan, ["pld", "eagle3"], "grid", str(results), tokens, echo=lambda line: None)
-        return {c.method: c for c in cells}
+    def grid(tokens: int, repeats: int = 1) -> dict:
+        cells = run_grid(plan, ["pld", "eagle3"], "grid", str(results), tokens, echo=lambda line: None,
+                         repeats=repeats)
+        return {(c.method, c.repeat) if repeats > 1 else c.method: c for c in cells}
 
     first = grid(8)
     assert first["pld"].status == "ran" and first["pld"].turns == first["pld"].expected_turns == 3
@@ -318,6 +319,16 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     records = load_records(results, tags=("grid",))
     assert {r.tag for r in records.runs} == {"grid.r2"}
     assert "not run" in kinds(records) and "superseded" in kinds(records)
+    # A second pass goes beside the first (same revision); pass 1 is skipped, not rerun.
+    passes = grid(9, repeats=2)
+    assert passes[("pld", 1)].status == "up to date (skipped)" and passes[("pld", 2)].status == "ran"
+    assert passes[("pld", 2)].records == passes[("ar", 2)].records == fake_bench[-1] == "grid.r2.rep2"
+    records = load_records(results, tags=("grid",))
+    assert sorted((r.method, r.repeat) for r in records.runs) == [("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)]
+    assert "partial" not in kinds(records) and "no baseline" not in kinds(records)
+    cells = json.loads((results / TARGET / "grid-grid.json").read_text())["cells"]
+    assert sorted((c["method"], c["repeat"]) for c in cells) == [("ar", 1), ("ar", 2), ("eagle3", 1), ("eagle3", 2),
+                                                                 ("pld", 1), ("pld", 2)]
 
 
 def test_grid_methods_come_from_the_registry():
@@ -327,3 +338,55 @@ def test_grid_methods_come_from_the_registry():
     chosen = grid_methods()
     assert "ar" not in chosen and "hf" not in chosen and "pld" in chosen and "eagle3" in chosen
     assert all(methods.METHODS[m].lossless for m in chosen)
+
+
+def test_summary_table_into_readme(tmp_path):
+    """`python -m bench.summary --readme NAME` writes the per-task table between the markers:
+    pld on MT-bench has τ 3 and speedup 2 (write_clean), GSM8K speedup 4."""
+    from bench.summary import main as summary_main
+    write_clean(tmp_path / "results", tag="g")
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- grid:start -->\nold\n<!-- grid:end -->\ny\n")
+    args = ["--results-dir", str(tmp_path / "results"), "--target", TARGET, "--tag", "g", "--readme", "grid",
+            "--readme-path", str(readme)]
+    result = CliRunner().invoke(summary_main, args)
+    assert result.exit_code == 0, result.output
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("x\n<!-- grid:start -->\n| task | method |") and text.endswith("y\n")
+    mtbench = next(line for line in text.splitlines() if line.startswith("| mtbench | pld |"))
+    assert "| 4 | 3.00 |" in mtbench and "| 2.00x [" in mtbench
+    assert "| gsm8k | pld | 1 | 3.00 |" in text and "| 4.00x [" in text
+    missing = CliRunner().invoke(summary_main, args[:4] + ["--tag", "nope", "--readme", "grid",
+                                                           "--readme-path", str(readme)])
+    assert missing.exit_code != 0 and "no records" in missing.output and readme.read_text() == text
+
+
+def test_repeats_pool_and_pair_within_their_pass(tmp_path):
+    """Pass 1 (tag t): AR 1.0 s per turn, pld 0.5 s: speedup 2. Pass 2 (t.rep2): AR 2.0 s,
+    pld 0.5 s: speedup 4. Pooled: (4 x 1.0 + 4 x 2.0) / (8 x 0.5) = 3; paired across passes it
+    would not be."""
+    keys = [("1", 1), ("1", 2), ("2", 1), ("2", 2)]
+    for tag, ar_decode in (("t", 0.9), ("t.rep2", 1.9)):
+        write_run(tmp_path, "mtbench", "ar", tag, [turn(q, n, decode=ar_decode) for q, n in keys])
+        write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
+                                                         **PLD_ROUNDS) for q, n in keys])
+    records = load_records(tmp_path, tags=("t",))
+    assert sorted((r.method, r.repeat) for r in records.runs) == [("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)]
+    assert not [p for p in records.problems if p.kind != "missing"]  # only the hardware profile is missing
+    pld = row(summarize(records, "task"), method="pld")
+    assert pld["turns"] == 8 and pld["repeats"] == 2 and pld["tau"] == pytest.approx(3.0)
+    assert pld["speedup"] == pytest.approx(3.0) and pld["speedup_repeats"] == pytest.approx([2.0, 4.0])
+    shown = to_markdown(display_table(summarize(records, "overall")))
+    assert "| 3.00x [2.00, 4.00] (2 passes) |" in shown and "speedup over repeats" in shown.splitlines()[0]
+    from bench.summary import format_table, summary_rows
+    (summary_row,) = summary_rows(tmp_path, TARGET, "t")  # python -m bench.summary pools the passes too
+    assert summary_row["speedup"] == pytest.approx(3.0) and summary_row["speedup_repeats"] == pytest.approx([2.0, 4.0])
+    assert format_table([summary_row]).endswith("| 3.00x [2.00, 4.00] (2 passes) |")
+    from bench.report import readme_blocks
+    assert "Sample sizes (AR turns per task): mtbench: 4 turns x 2 passes." in readme_blocks(
+        build_tables(records), records, "bench report")["report"]
+    # A pass without its own baseline is reported, not paired with another pass's baseline.
+    (tmp_path / TARGET / "mtbench" / "ar-t.rep2.jsonl").unlink()
+    records = load_records(tmp_path, tags=("t",))
+    assert any(p.kind == "no baseline" and p.where.endswith("pld-t.rep2.jsonl") for p in records.problems)
+    assert row(summarize(records, "task"), method="pld")["speedup"] == pytest.approx(2.0)
