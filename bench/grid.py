@@ -18,6 +18,9 @@ method, about 8 minutes at AR speed (16 tok/s) on one core. `--full`:
 every question of every suite, 256 new tokens, tag `full`. `--repeats N`: N whole passes of
 the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every speedup also
 has its spread over passes; already recorded passes are skipped like any finished cell.
+`--remeasure-contended`: a method's records with turns that shared the CPU with another job
+(bench.report.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
+reports) and the cell runs again.
 """
 
 from __future__ import annotations
@@ -108,6 +111,22 @@ def _done_keys(path: Path) -> set[tuple[str, int]]:
     return {(str(t["question_id"]), int(t["turn"])) for t in turns if t.get("type") == "turn"}
 
 
+def set_aside_if_contended(path: Path) -> int:
+    """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
+    from bench.report import contended_turns, read_lenient
+
+    if not path.exists():
+        return 0
+    slow = len(contended_turns(read_lenient(path, [])[1]))
+    if slow:
+        aside, number = path.with_name(path.name + ".contended"), 1
+        while aside.exists():
+            number += 1
+            aside = path.with_name(f"{path.name}.contended.{number}")
+        path.rename(aside)
+    return slow
+
+
 def _read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -126,7 +145,7 @@ def write_manifest(path: Path, manifest: dict) -> None:
 def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: str = "results",
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
-             dry_run: bool = False, echo=print, repeats: int = 1) -> list[Cell]:
+             dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status."""
     from bench.records import git_sha
     from bench.run import RunSettings, check_device, record_settings, run
@@ -193,6 +212,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             cell.records = settings.records_tag
             base_tags.add(cell.records)
             method_path, base_path = cell_paths(results_dir, target.name, name, method, cell.records)
+            if remeasure_contended and not dry_run and (slow := set_aside_if_contended(method_path)):
+                echo(f"[grid] {method} on {name}: {slow} contended turns; {method_path.name} set aside, run again")
             if keys <= _done_keys(method_path) and keys <= _done_keys(base_path):
                 cell.status = "up to date (skipped)"
             elif dry_run:
@@ -234,9 +255,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="whole passes of the grid (pass k > 1: tag <tag>.rep<k>); speedups get their spread over passes")
+@click.option("--remeasure-contended", is_flag=True,
+              help="set aside a method's records with turns that shared the CPU with another job, and run it again")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         repeats, dry_run) -> None:
+         repeats, remeasure_contended, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
@@ -247,7 +270,7 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
-                         repeats=repeats)
+                         repeats=repeats, remeasure_contended=remeasure_contended)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -68,7 +68,11 @@ class UtilizationMonitor:
         if self.kind == "cpu":
             wall = self._end[0] - self._start[0]
             util = 100.0 * (self._end[1] - self._start[1]) / wall / (os.cpu_count() or 1) if wall else 0.0
-            return {"kind": "cpu", "util_mean": round(util, 1)}
+            import torch
+
+            # threads and cpus let a report tell a turn that shared the cores (bench.report).
+            return {"kind": "cpu", "util_mean": round(util, 1), "threads": torch.get_num_threads(),
+                    "cpus": os.cpu_count() or 1}
         utils = [s[1] for s in self.samples]
         return {"kind": "gpu", "util_mean": round(sum(utils) / len(utils), 1) if utils else None,
                 "memory_max_mib": round(max((s[2] for s in self.samples), default=0.0), 1),

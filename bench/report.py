@@ -95,7 +95,7 @@ def split_tag(tag: str) -> tuple[str, int]:
     return (match["series"], int(match["rev"])) if match else (tag, 1)
 
 
-def _read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list[dict]]:
+def read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list[dict]]:
     """(headers, turns); bad lines become problems instead of errors."""
     try:
         text = path.read_bytes().decode("utf-8")
@@ -107,6 +107,7 @@ def _read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list
         problems.append(Problem("unfinished", str(path), "last line has no newline (a run still writing, or "
                                 "one cut by a crash); that record is left out"))
     headers, turns = [], []
+    threads = None  # torch threads of the invocation (header) a turn was recorded under
     for number, line in enumerate(pieces[:-1], start=1):
         if not line.strip():
             continue
@@ -119,13 +120,14 @@ def _read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list
             problems.append(Problem("corrupt", f"{path}:{number}", "not a JSON object; line left out"))
         elif record.get("type") == "header":
             headers.append(record)
+            threads = (record.get("provenance") or {}).get("torch_threads")
         elif record.get("type") == "turn":
             missing = [k for k in REQUIRED if k not in record]
             if missing:
                 problems.append(Problem("malformed turn", f"{path}:{number}",
                                         f"missing {', '.join(missing)}; turn left out"))
             else:
-                turns.append(record)
+                turns.append({**record, "_threads": threads})
         else:
             problems.append(Problem("corrupt", f"{path}:{number}", "neither a header nor a turn; line left out"))
     return headers, turns
@@ -139,7 +141,7 @@ def _key(task: str, repeat: int, record: dict) -> dict:
 
 
 def _read_run(path: Path, target: str, task: str, problems: list[Problem]) -> RunFile | None:
-    headers, turns = _read_lenient(path, problems)
+    headers, turns = read_lenient(path, problems)
     stem = path.stem
     method = (headers[0].get("settings", {}).get("method") if headers else None) or stem.split("-", 1)[0]
     if stem != method and not stem.startswith(method + "-"):
@@ -210,6 +212,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
         raise BenchError(f"no run records under {results_dir}" + (f" for {where}" if where else ""))
     records = Records(runs, problems, profiles, manifests, superseded)
     _check_coverage(records)
+    _check_contention(records)
     return records
 
 
@@ -294,6 +297,40 @@ def _check_coverage(records: Records) -> None:
             if run is not None and expected and len(run.turns) < expected:
                 records.problems.append(Problem("partial", str(run.path),
                                                 f"{len(run.turns)} of the {expected} turns the grid planned"))
+
+
+# A CPU turn whose process got less than this share of the CPU its threads got elsewhere in
+# the same run shared the cores with another job: its times are slower than the method is.
+CONTENDED_SHARE = 0.85
+
+
+def contended_turns(turns: list[dict]) -> list[dict]:
+    """CPU turns that ran short of CPU. Utilization is process CPU time over wall time, per
+    core; the share a turn should get is the most any turn of the same run got with the same
+    torch threads, or threads/cpus where the record says both (newer records)."""
+    best: dict[object, float] = {}
+    for turn in turns:
+        util = turn.get("utilization") or {}
+        if util.get("kind") == "cpu" and util.get("util_mean") is not None:
+            threads = util.get("threads", turn.get("_threads"))
+            expected = 100.0 * min(threads, util["cpus"]) / util["cpus"] if threads and util.get("cpus") else 0.0
+            best[threads] = max(best.get(threads, 0.0), util["util_mean"], expected)
+    return [t for t in turns if (t.get("utilization") or {}).get("kind") == "cpu"
+            and (t["utilization"].get("util_mean") is not None)
+            and t["utilization"]["util_mean"] < CONTENDED_SHARE
+            * best[t["utilization"].get("threads", t.get("_threads"))]]
+
+
+def _check_contention(records: Records) -> None:
+    for run in records.runs:
+        slow = contended_turns(run.turns)
+        if slow:
+            shown = ", ".join(f"{t['question_id'].split('/', 1)[1]}/{t['turn']}" for t in slow[:8])
+            records.problems.append(Problem(
+                "contended", str(run.path), f"{len(slow)} of {len(run.turns)} turns got under "
+                f"{CONTENDED_SHARE:.0%} of the CPU their threads got elsewhere in the run (another job shared the "
+                f"cores): their times, and the speedups that use them, read slow ({shown}"
+                + (" ..." if len(slow) > 8 else "") + ")"))
 
 
 # ---------------------------------------------------------------- metrics per run / group

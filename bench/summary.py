@@ -13,8 +13,8 @@ import click
 
 from bench import metrics
 from bench.errors import BenchError
-from bench.records import read_records, split_repeat
-from bench.report import update_readme
+from bench.records import split_repeat
+from bench.report import contended_turns, read_lenient, update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
@@ -34,7 +34,8 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
             rounds = sum(len(t["accept_lengths"]) for t in turns)
             rows.append({"task": task_dir.name, "method": method, **row,
                          "nodes_per_round": sum(sum(t["tree_sizes"]) for t in turns) / rounds if rounds else 0.0,
-                         "verified_per_accepted": nodes_per_accepted(turns)})
+                         "verified_per_accepted": nodes_per_accepted(turns),
+                         "contended": sum(len(contended_turns(_turns([f]))) for f in paths + files.get("ar", []))})
     return rows
 
 
@@ -50,7 +51,13 @@ def series_files(task_dir: Path, tag: str | None) -> dict[str, list[tuple[int, P
 
 
 def _turns(files: list[tuple[int, Path]]) -> list[dict]:
-    return [{**t, "repeat": repeat} for repeat, path in files for t in read_records(path)[1]]
+    turns = []
+    for repeat, path in files:
+        problems: list = []
+        turns += [{**t, "repeat": repeat} for t in read_lenient(path, problems)[1]]
+        for problem in problems:  # shown, not fatal: `bench report` lists them too
+            click.echo(f"warning: {problem.where}: {problem.detail}", err=True)
+    return turns
 
 
 def nodes_per_accepted(turns: list[dict]) -> float:
@@ -84,6 +91,11 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
             line += (f" {median:.2f}x [{least:.2f}, {most:.2f}] ({len(passes)} passes) |" if len(passes) > 1
                      else f" {median:.2f}x (1 pass) |")
         lines.append(line)
+    contended = [f"{row['task']} {row['method']}" + (f" [{row['tag']}]" if tags else "") + f" {row['contended']}"
+                 for row in rows if row.get("contended")]
+    if contended:
+        lines += ["", "Turns that shared the CPU with another job (method and baseline files; their times read "
+                  "slow, see `bench report`): " + ", ".join(contended) + "."]
     return "\n".join(lines)
 
 

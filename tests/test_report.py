@@ -323,6 +323,16 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     passes = grid(9, repeats=2)
     assert passes[("pld", 1)].status == "up to date (skipped)" and passes[("pld", 2)].status == "ran"
     assert passes[("pld", 2)].records == passes[("ar", 2)].records == fake_bench[-1] == "grid.r2.rep2"
+    # --remeasure-contended: a file with a turn that waited for the CPU is set aside (kept) and run again.
+    lines = r2.read_text().splitlines(keepends=True)
+    slow = json.loads(lines[-1])
+    slow["utilization"]["util_mean"] = 20.0
+    r2.write_text("".join(lines[:-1]) + json.dumps(slow) + "\n")
+    assert "contended" in kinds(load_records(results, tags=("grid",)))
+    cells = run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, remeasure_contended=True)
+    assert [c.status for c in cells if c.method == "pld"] == ["ran"] and fake_bench[-1] == "grid.r2"
+    assert (results / TARGET / "tiny" / "pld-grid.r2.jsonl.contended").read_text().endswith(json.dumps(slow) + "\n")
+    assert "contended" not in kinds(load_records(results, tags=("grid",)))
     records = load_records(results, tags=("grid",))
     assert sorted((r.method, r.repeat) for r in records.runs) == [("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)]
     assert "partial" not in kinds(records) and "no baseline" not in kinds(records)
@@ -390,3 +400,21 @@ def test_repeats_pool_and_pair_within_their_pass(tmp_path):
     records = load_records(tmp_path, tags=("t",))
     assert any(p.kind == "no baseline" and p.where.endswith("pld-t.rep2.jsonl") for p in records.problems)
     assert row(summarize(records, "task"), method="pld")["speedup"] == pytest.approx(2.0)
+
+
+def test_turns_that_shared_the_cores_are_reported(tmp_path):
+    """Process CPU 50% per turn is one busy core of two; a turn at 30% waited for the CPU."""
+    keys = [("1", 1), ("2", 1), ("3", 1)]
+    write_run(tmp_path, "mtbench", "ar", "t", [turn(q, n) for q, n in keys])
+    utils = [{"kind": "cpu", "util_mean": u} for u in (50.0, 30.0, 49.0)]
+    write_run(tmp_path, "mtbench", "pld", "t", [turn(q, n, exact=True, util=u) for (q, n), u in zip(keys, utils)])
+    (problem,) = [p for p in load_records(tmp_path).problems if p.kind == "contended"]
+    assert problem.where.endswith("pld-t.jsonl") and problem.detail.startswith("1 of 3 turns")
+    assert "(2/1)" in problem.detail
+    # Newer records say their threads and cpus: 2 threads on 2 cpus should get ~100%.
+    utils = [{"kind": "cpu", "util_mean": u, "threads": 2, "cpus": 2} for u in (60.0, 61.0, 95.0)]
+    write_run(tmp_path, "mtbench", "pld", "t", [turn(q, n, exact=True, util=u) for (q, n), u in zip(keys, utils)])
+    (problem,) = [p for p in load_records(tmp_path).problems if p.kind == "contended"]
+    assert problem.detail.startswith("2 of 3 turns") and "(1/1, 2/1)" in problem.detail
+    write_run(tmp_path, "mtbench", "pld", "t", [turn(q, n, exact=True) for q, n in keys])
+    assert "contended" not in kinds(load_records(tmp_path))
