@@ -1,6 +1,6 @@
 """Run records: one JSONL file per (target, task, method[-tag]), append-only.
 
-Line 1 and every resumed invocation start with a `header` record (provenance and the
+Line 1 and every resumed invocation that writes start with a `header` record (provenance and the
 settings); each finished turn is one `turn` record, written and fsync'd as soon as the
 turn ends, so an interruption loses at most the turn in flight. Rerunning the same
 command skips finished turns. A header whose settings differ from the file's first
@@ -96,8 +96,15 @@ def provenance(device: str) -> dict:
     }
 
 
+_HELD: dict[str, object] = {}  # record-file locks this process holds (bench.records.RunFile.claim)
+
+
 class RunFile:
-    """Append-only JSONL records with resume. `settings` must match across invocations."""
+    """Append-only JSONL records with resume. `settings` must match across invocations.
+
+    Reading is free; writing turns needs `claim()`, an exclusive lock on `<file>.lock` held
+    until the process ends, so two runs can share a finished file (two grids reading one AR
+    baseline) but never both append the same turns. The header goes in with the first turn."""
 
     def __init__(self, path: Path, settings: dict, device: str) -> None:
         self.path = Path(path)
@@ -105,30 +112,66 @@ class RunFile:
         settings = json.loads(json.dumps(settings))
         self.settings = settings
         self.turns: dict[tuple[str, int], dict] = {}
-        first_header = None
-        if self.path.exists():
-            first_header = self._load()
-        if first_header is not None and first_header.get("settings") != settings:
-            changed = sorted(k for k in set(settings) | set(first_header.get("settings", {}))
-                             if settings.get(k) != first_header["settings"].get(k))
-            raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
-                             "use --tag to start a separate record file")
-        try:
+        self._lock = None
+        self._device = device
+        try:  # fail before any decoding when the results cannot be written
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._append({"type": "header", "settings": settings, "provenance": provenance(device)})
         except OSError as exc:
             raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
+        if self.path.exists():
+            self._check_settings(self._load(repair=False))
 
-    def _load(self) -> dict | None:
-        """Read finished turns; drop a half-written last line left by a crash."""
+    def _check_settings(self, first_header: dict | None) -> None:
+        if first_header is not None and first_header.get("settings") != self.settings:
+            changed = sorted(k for k in set(self.settings) | set(first_header.get("settings", {}))
+                             if self.settings.get(k) != first_header["settings"].get(k))
+            raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
+                             "use --tag to start a separate record file")
+
+    def claim(self) -> None:
+        """Take the file for writing (once): lock it, then read back what other runs recorded
+        before the lock, so no turn is decoded or written twice."""
+        if self._lock is not None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        key = str(lock_path.resolve())
+        if key not in _HELD:  # a second RunFile of this process on the same file shares the lock
+            handle = open(lock_path, "w")  # noqa: SIM115 - held open: the lock lives as long as the process
+            try:
+                import fcntl
+
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except ImportError:  # no fcntl (Windows): no guard against a second writer
+                pass
+            except BlockingIOError:
+                handle.close()
+                raise BenchError(f"{self.path} is being written by another run right now ({lock_path.name} is "
+                                 "held); run again when it is done: finished turns are kept") from None
+            _HELD[key] = handle
+        self._lock = _HELD[key]
+        self.turns = {}
+        if self.path.exists():
+            self._check_settings(self._load(repair=True))
+        # Every invocation that writes leaves its provenance before its turns.
+        self._append({"type": "header", "settings": self.settings, "provenance": provenance(self._device)})
+
+    def _load(self, repair: bool) -> dict | None:
+        """Read finished turns. An unfinished last line is skipped; with `repair` (only under
+        the lock: it may be another run's write in flight otherwise) it is cut off: a crash
+        left it."""
         try:
             raw = self.path.read_bytes()
             if raw and not raw.endswith(b"\n"):
                 cut = raw.rfind(b"\n") + 1
-                print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
-                      file=sys.stderr)
-                with open(self.path, "r+b") as handle:
-                    handle.truncate(cut)
+                if repair:
+                    print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
+                          file=sys.stderr)
+                    with open(self.path, "r+b") as handle:
+                        handle.truncate(cut)
                 raw = raw[:cut]
         except OSError as exc:
             raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
@@ -157,7 +200,12 @@ class RunFile:
         return self.turns.get((question_id, turn))
 
     def add_turn(self, record: dict) -> None:
+        self.claim()
         record = {"type": "turn", **record}
+        key = (str(record["question_id"]), int(record["turn"]))
+        if key in self.turns:
+            raise BenchError(f"{self.path}: turn {key[1]} of question {key[0]} is already recorded; not appending "
+                             "it twice")
         self._append(record)
         self.turns[(str(record["question_id"]), int(record["turn"]))] = record
 

@@ -88,6 +88,9 @@ class Side:
                target, config: DecodeConfig, baseline: Side | None) -> str:
         """Run (or read back) one turn; returns the reply text for the conversation."""
         done = self.records.done(question.question_id, turn)
+        if done is None:
+            self.records.claim()  # another run may have recorded it before this one took the file
+            done = self.records.done(question.question_id, turn)
         if done is not None:
             return done["text"]
         prompt = chat_prompt(target.tokenizer, messages)

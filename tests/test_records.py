@@ -69,9 +69,9 @@ def test_half_written_last_line_is_dropped(path, capsys):
     with open(path, "a") as handle:  # a crash in the middle of writing the next turn
         handle.write(json.dumps({"type": "turn", **turn("q1", 2, [3])})[:25])
     resumed = RunFile(path, SETTINGS, "cpu")
-    assert "dropping an unfinished last record" in capsys.readouterr().err
     assert resumed.done("q1", 1) is not None and resumed.done("q1", 2) is None
-    resumed.add_turn(turn("q1", 2, [3]))
+    resumed.add_turn(turn("q1", 2, [3]))  # taking the file for writing cuts the crash's fragment off
+    assert "dropping an unfinished last record" in capsys.readouterr().err
     headers, turns = read_records(path)
     assert len(headers) == 2 and [t["turn"] for t in turns] == [1, 2]
     assert RunFile(path, SETTINGS, "cpu").done("q1", 2)["tokens"] == [3]
@@ -91,7 +91,7 @@ def test_corrupt_middle_line(path):
 
 
 def test_turn_without_id_is_corrupt(path):
-    RunFile(path, SETTINGS, "cpu")
+    RunFile(path, SETTINGS, "cpu").claim()  # the header goes in when a run takes the file
     with open(path, "a") as handle:
         handle.write(json.dumps({"type": "turn", "turn": 1}) + "\n")
     with pytest.raises(BenchError, match=r":2: corrupt record"):
@@ -166,9 +166,9 @@ def test_run_writes_records_and_resumes(tiny_task, tmp_path):
         assert record["stop_reason"] in ("eos", "length")
     assert turns[1]["prompt_len"] > turns[0]["prompt_len"] + 3  # turn 2 sees the first exchange
 
-    run(settings)  # everything recorded: nothing is decoded again
+    run(settings)  # everything recorded: nothing is decoded again, nothing written
     headers, again = read_records(path)
-    assert len(headers) == 2 and again == turns
+    assert len(headers) == 1 and again == turns
 
     # Lose the last two turns (one is a second turn, rebuilt on turn 1's recorded reply).
     text = path.read_text().splitlines(keepends=True)
@@ -189,8 +189,8 @@ def test_run_repeats_are_whole_passes_paired_within_themselves(tiny_task, tmp_pa
                            results_dir=str(tmp_path / "results"))
     summary = run(settings, repeats=2)
     folder = tmp_path / "results" / "smollm2-135m" / "tiny"
-    assert sorted(p.name for p in folder.iterdir()) == ["ar-x.jsonl", "ar-x.rep2.jsonl", "pld-x.jsonl",
-                                                        "pld-x.rep2.jsonl"]
+    assert sorted(p.name for p in folder.glob("*.jsonl")) == ["ar-x.jsonl", "ar-x.rep2.jsonl", "pld-x.jsonl",
+                                                              "pld-x.rep2.jsonl"]
     passes = {name: [read_records(folder / f"{name}-{tag}.jsonl")[1] for tag in ("x", "x.rep2")]
               for name in ("ar", "pld")}
     first, second = passes["pld"]
@@ -204,3 +204,36 @@ def test_run_repeats_are_whole_passes_paired_within_themselves(tiny_task, tmp_pa
     assert row["speedup"] == pytest.approx(metrics._ratio_of_sums(*both))
     run(settings, repeats=2)  # both passes recorded: nothing is decoded again
     assert read_records(folder / "pld-x.rep2.jsonl")[1] == second
+
+
+def test_two_runs_never_write_one_file(path):
+    """Reading is shared; writing takes the file's lock: a second writer gets a one-line error,
+    and a writer that comes after another reads back its turns first."""
+    import subprocess
+    import sys
+    import textwrap
+
+    reader = RunFile(path, SETTINGS, "cpu")  # opened before the other run wrote anything
+    script = textwrap.dedent(f"""
+        import sys, time
+        from bench.records import RunFile
+        records = RunFile({str(path)!r}, {SETTINGS!r}, "cpu")
+        records.add_turn({turn("q1", 1, [1, 2])!r})
+        print("written", flush=True)
+        sys.stdin.read()  # hold the lock until the test closes stdin
+    """)
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "written"
+        with pytest.raises(BenchError, match="being written by another run"):
+            reader.add_turn(turn("q2", 1, [3]))
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    assert reader.done("q1", 1) is None  # not seen yet: read before the other run wrote it
+    reader.claim()
+    assert reader.done("q1", 1)["tokens"] == [1, 2]  # taking the file reads back what was written
+    with pytest.raises(BenchError, match="already recorded"):
+        reader.add_turn(turn("q1", 1, [9]))
+    reader.add_turn(turn("q2", 1, [3]))
+    assert [(t["question_id"], t["turn"]) for t in read_records(path)[1]] == [("q1", 1), ("q2", 1)]
