@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -177,6 +178,33 @@ def quick_chain_costs(engine: Engine, max_k: int, context: int = 256, repeats: i
     profile = verify_latency(engine, ks, context=context, repeats=repeats, warmup=1)
     engine.reset()
     return chain_costs(profile, max_k)
+
+
+def stored_chain_costs(target, max_k: int, results_dirs: tuple[Path, ...] | None = None) -> list[float] | None:
+    """t_v(0..max_k) from the stored `bench profile` of this target on this machine: same
+    weights (fingerprint), dtype, device name and torch threads; None when there is none.
+    A choice made from it (Medusa's tree size) is the same at every build, so a run's
+    settings do not change with a few seconds of timing noise."""
+    import json
+
+    from bench.records import device_name
+
+    device = target.engine.device
+    dtype = str(target.engine.dtype).removeprefix("torch.")
+    name = f"{device.type}-{dtype}.json"
+    dirs = results_dirs or (Path(__file__).resolve().parent.parent / "results", Path("results"))
+    for folder in dirs:
+        path = Path(folder) / target.name / "profile" / name
+        try:
+            profile = json.loads(path.read_text(encoding="utf-8"))
+            provenance = profile.get("provenance") or {}
+            if (profile.get("fingerprint") == target.fingerprint and profile.get("dtype") == dtype
+                    and provenance.get("device_name") == device_name(str(device))
+                    and provenance.get("torch_threads") == torch.get_num_threads()):
+                return chain_costs(profile, max_k)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
 
 
 PROFILE_PROMPT = "Write a python function that returns the n-th Fibonacci number, with a docstring."

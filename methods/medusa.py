@@ -53,7 +53,9 @@ Drafter formats (`--drafter FOLDER`):
   measured accuracies its tree comes from PRIOR_TOP1 (or pass choices=...).
 
 Options of `bench run`: drafter, tree_size (default auto: the best-first tree cut where
-expected tokens per second peak under this device's measured t_v(k); "manifest": the tree
+expected tokens per second peak under this device's t_v(k), read from the stored
+`bench profile` of this machine and thread count when there is one, else timed for a few
+seconds at build, so the size can vary between builds; "manifest": the tree
 stored at training, 63 nodes; or a number),
 choices (a JSON list of rank paths, overrides the tree), acceptance (exact | typical),
 posterior_threshold (0.09), posterior_alpha (0.3).
@@ -417,16 +419,18 @@ def _float_option(options: dict, key: str, default: float) -> float:
 
 def device_sized_tree(target, accuracy: list[list[float]], largest: int = 64) -> list[tuple[int, ...]]:
     """The best-first tree cut where expected tokens per second peak on this device: node
-    values come from the measured head accuracies, t_v(k) from a few seconds of timing
-    (the heads' own cost is one pass, whatever the tree size, so it does not move the cut)."""
-    from bench.profile import best_size, quick_chain_costs
+    values come from the measured head accuracies, t_v(k) from the stored `bench profile` of
+    this machine, else from a few seconds of timing (the heads' own cost is one pass,
+    whatever the tree size, so it does not move the cut)."""
+    from bench.profile import best_size, quick_chain_costs, stored_chain_costs
 
     paths = build_tree(accuracy, largest)
     ranks = rank_probabilities(accuracy)
     gains = [0.0]
     for path in paths:
         gains.append(gains[-1] + path_value(tuple(path), ranks))
-    size = best_size(gains, quick_chain_costs(target.engine, len(paths) + 1))
+    costs = stored_chain_costs(target, len(paths) + 1) or quick_chain_costs(target.engine, len(paths) + 1)
+    size = best_size(gains, costs)
     return paths[: max(1, size)]
 
 

@@ -60,3 +60,35 @@ def test_best_size_trades_expected_tokens_against_verification_cost():
     steep = [1.0, 1.0, 1.2, 1.5, 2.0, 2.5]  # rates: 1/1 1.6/1.2 1.9/1.5 2.0/2.0 2.05/2.5 -> n = 1
     assert best_size(gains, steep) == 1
     assert best_size([0.0, 0.01], [1.0, 1.0, 2.0]) == 0  # a draft that costs more than it brings: none
+
+
+def test_stored_chain_costs_only_from_this_machine(tmp_path):
+    """Medusa sizes its tree from the stored profile when it was measured here (same weights,
+    dtype, device name, torch threads), so the size does not move with timing noise."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from bench.profile import stored_chain_costs
+    from bench.records import device_name
+
+    target = SimpleNamespace(name="tiny", fingerprint="f1",
+                             engine=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
+    rows = [{"kind": "chain", "k": 1, "median_s": 0.01}, {"kind": "chain", "k": 4, "median_s": 0.04}]
+    provenance = {"device_name": device_name("cpu"), "torch_threads": torch.get_num_threads()}
+    path = tmp_path / "tiny" / "profile" / "cpu-float32.json"
+    path.parent.mkdir(parents=True)
+
+    def stored(**changes) -> list[float] | None:
+        profile = {"fingerprint": "f1", "dtype": "float32", "rows": rows, "provenance": provenance}
+        path.write_text(json.dumps({**profile, **changes}))
+        return stored_chain_costs(target, 4, (tmp_path,))
+
+    assert stored() == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])
+    assert stored(fingerprint="other weights") is None
+    assert stored(provenance={**provenance, "torch_threads": torch.get_num_threads() + 1}) is None
+    assert stored(provenance={**provenance, "device_name": "another cpu"}) is None
+    path.write_text("{not json")
+    assert stored_chain_costs(target, 4, (tmp_path,)) is None
