@@ -207,7 +207,7 @@ class RunFile:
             raise BenchError(f"{self.path}: turn {key[1]} of question {key[0]} is already recorded; not appending "
                              "it twice")
         self._append(record)
-        self.turns[(str(record["question_id"]), int(record["turn"]))] = record
+        self.turns[key] = record
 
 
 def read_records(path: Path) -> tuple[list[dict], list[dict]]:

@@ -308,17 +308,17 @@ def contended_turns(turns: list[dict]) -> list[dict]:
     """CPU turns that ran short of CPU. Utilization is process CPU time over wall time, per
     core; the share a turn should get is the most any turn of the same run got with the same
     torch threads, or threads/cpus where the record says both (newer records)."""
+    measured = []  # (turn, its utilization %, its torch threads)
     best: dict[object, float] = {}
     for turn in turns:
         util = turn.get("utilization") or {}
-        if util.get("kind") == "cpu" and util.get("util_mean") is not None:
-            threads = util.get("threads", turn.get("_threads"))
-            expected = 100.0 * min(threads, util["cpus"]) / util["cpus"] if threads and util.get("cpus") else 0.0
-            best[threads] = max(best.get(threads, 0.0), util["util_mean"], expected)
-    return [t for t in turns if (t.get("utilization") or {}).get("kind") == "cpu"
-            and (t["utilization"].get("util_mean") is not None)
-            and t["utilization"]["util_mean"] < CONTENDED_SHARE
-            * best[t["utilization"].get("threads", t.get("_threads"))]]
+        if util.get("kind") != "cpu" or util.get("util_mean") is None:
+            continue
+        threads = util.get("threads", turn.get("_threads"))
+        expected = 100.0 * min(threads, util["cpus"]) / util["cpus"] if threads and util.get("cpus") else 0.0
+        best[threads] = max(best.get(threads, 0.0), util["util_mean"], expected)
+        measured.append((turn, util["util_mean"], threads))
+    return [turn for turn, share, threads in measured if share < CONTENDED_SHARE * best[threads]]
 
 
 def _check_contention(records: Records) -> None:

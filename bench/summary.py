@@ -35,7 +35,7 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
             rows.append({"task": task_dir.name, "method": method, **row,
                          "nodes_per_round": sum(sum(t["tree_sizes"]) for t in turns) / rounds if rounds else 0.0,
                          "verified_per_accepted": nodes_per_accepted(turns),
-                         "contended": sum(len(contended_turns(_turns([f]))) for f in paths + files.get("ar", []))})
+                         "contended": _contended(turns) + _contended(base)})
     return rows
 
 
@@ -48,6 +48,12 @@ def series_files(task_dir: Path, tag: str | None) -> dict[str, list[tuple[int, P
         if series == (tag or ""):
             found.setdefault(method, []).append((repeat, path))
     return found
+
+
+def _contended(turns: list[dict]) -> int:
+    """Turns that shared the CPU, each pass judged on its own (bench.report.contended_turns)."""
+    return sum(len(contended_turns([t for t in turns if t["repeat"] == repeat]))
+               for repeat in {t["repeat"] for t in turns})
 
 
 def _turns(files: list[tuple[int, Path]]) -> list[dict]:
