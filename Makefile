@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 # Our implementations vs transformers' own, interleaved (speed ratios, not a test).
 peers: $(STAMP)
-	$(BIN)/python -m bench.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
+	$(BIN)/python -m scripts.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
 
 # Tables, figures and plots/report.html from the kept records (`make report TAG=s2`: one series).
 TAG ?=
@@ -64,17 +64,17 @@ block-sweep: $(STAMP)
 	$(SWEEP) --tag sched --method dspark
 	$(SWEEP) --tag thr --method dspark --option schedule=threshold --option threshold=0.5
 	for m in dflash dspark eagle3; do $(SWEEP) --tag t1 --temperature 1 --method $$m || exit 1; done
-	$(BIN)/python -m methods.dflash.calibration --task humaneval --limit 10 --max-new-tokens 128
+	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
 	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval \
 	  --readme blocks
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'
-# step costs at those shapes (`python -m bench.gpu_train_check --assets DIR` trains every method on CUDA).
+# step costs at those shapes (`python -m scripts.gpu_train_check --assets DIR` trains every method on CUDA).
 gpu-check: $(STAMP)
-	$(BIN)/python -m bench.gpu_check
-	$(BIN)/python -m bench.gpu_loop
-	$(BIN)/python -m bench.gpu_drafters
+	$(BIN)/python -m scripts.gpu_check
+	$(BIN)/python -m scripts.gpu_loop
+	$(BIN)/python -m scripts.gpu_drafters
 
 clean:
 	rm -rf $(VENV)

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 
 class _Group(click.Group):
@@ -78,7 +78,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
         results_dir=results_dir, baseline=not no_baseline,
         method_options=_parse_options(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
     if drafter:
-        from methods import get_method
+        from bench.registry import get_method
 
         if not get_method(method).trained:
             raise BenchError(f"method '{method}' takes no drafter (--drafter is for trained methods)")
@@ -117,11 +117,11 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
     import importlib
     from pathlib import Path
 
-    from bench.drafters import user_dir
+    from bench.core.drafters import user_dir
+    from bench.core.target import default_device, load_target
+    from bench.core.training import TrainSettings
+    from bench.registry import get_method
     from bench.run import check_device
-    from bench.target import default_device, load_target
-    from bench.training import TrainSettings
-    from methods import get_method
 
     info = get_method(method)
     if not info.trained:
@@ -147,6 +147,41 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
 
 
 @main.command()
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto: bfloat16 where the CPU has native bf16 matmul (AMX, AVX512-BF16) or on CUDA, else float32")
+@click.option("--batch-size", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--max-reply", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-context", type=click.IntRange(min=2), default=2048, show_default=True)
+@click.option("--shards", default=None, help="a:b, the shard numbers to generate (default: all)")
+@click.option("--tokens", type=float, default=None, help="stop once this many reply tokens exist")
+@click.option("--data-dir", default=None, help="where the evaluation suites are (for the overlap filter)")
+def distill(target, device, dtype, batch_size, max_reply, max_context, shards, tokens, data_dir) -> None:
+    """Self-distilled training data: the target's own greedy replies to every turn of
+    ShareGPT conversations (minus those overlapping an evaluation suite), sharded, resumable."""
+    from bench.core.target import load_target, resolve_dtype
+    from bench.core.training.distill import DistillSettings, distill
+    from tasks import TASKS, load_task
+
+    span = None
+    if shards:
+        try:
+            first, last = shards.split(":")
+            span = range(int(first or 0), int(last))
+        except ValueError:
+            raise BenchError(f"--shards takes a:b (shard numbers), not '{shards}'") from None
+    if max_reply >= max_context:
+        raise BenchError(f"--max-reply ({max_reply}) must be below --max-context ({max_context})")
+    resolve_dtype(dtype, device)
+    questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
+    loaded = load_target(target, device="cpu")
+    settings = DistillSettings(max_reply=max_reply, max_context=max_context, dtype=dtype)
+    data = distill(loaded, settings, questions, span, int(tokens) if tokens else None, batch_size, device)
+    click.echo(f"{data.folder}: {len(data.shards())} shards, {data.reply_tokens} reply tokens")
+
+
+@main.command()
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
 @click.option("--dtype", default="float32", show_default=True)
@@ -163,10 +198,10 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, result
     this device, and store them."""
     from pathlib import Path
 
-    from bench.profile import format_profile, verify_latency
+    from bench.core.costs import format_profile, profile_path, verify_latency
+    from bench.core.target import default_device, load_target
     from bench.records import provenance
     from bench.run import check_device
-    from bench.target import default_device, load_target
 
     def numbers(text: str) -> tuple[int, ...]:
         try:
@@ -174,7 +209,7 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, result
         except ValueError:
             raise BenchError(f"expected comma-separated integers, got '{text}'") from None
 
-    from methods import METHODS, get_method
+    from bench.registry import METHODS, get_method
 
     names = [] if drafters == "none" else [m.name for m in METHODS.values() if m.trained] if drafters == "trained" \
         else [get_method(name.strip()).name for name in drafters.split(",") if name.strip()]
@@ -188,13 +223,19 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, result
         result["drafters"] = drafter_costs(loaded, names, progress=True)
     record = {"target": loaded.name, "fingerprint": loaded.fingerprint, "dtype": dtype, "repeats": repeats,
               "provenance": provenance(device), **result}
-    path = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    # The record goes to results/; the copy in the cache is what methods read (bench.core.costs).
+    kept = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}.json"
+    cached = profile_path(loaded.name, device.split(":")[0], str(loaded.engine.dtype).removeprefix("torch."))
+    for path in (kept, cached):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            raise BenchError(f"cannot write the profile to {path}: {exc.strerror}") from None
     click.echo(format_profile(result))
-    click.echo(f"profile: {path}")
+    click.echo(f"profile: {kept} (and {cached}, which methods read)")
 
 
 @main.command()
@@ -209,7 +250,8 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path
 
-    from bench.report import display_table, make_report, to_markdown
+    from bench.report import make_report
+    from bench.tables import display_table, to_markdown
 
     result = make_report(Path(results_dir), Path(out_dir), targets, tasks, methods, tags,
                          Path("README.md") if readme else None)
@@ -222,8 +264,8 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
 @main.command(name="list")
 def list_cmd() -> None:
     """Show methods, tasks, targets and trained drafters."""
-    from bench.target import DEFAULT_TARGET, cache_dir
-    from methods import METHODS
+    from bench.core.target import DEFAULT_TARGET, cache_dir
+    from bench.registry import METHODS
     from tasks import TASKS
 
     click.echo("methods:")
@@ -237,7 +279,7 @@ def list_cmd() -> None:
     for folder in sorted((cache_dir() / "targets").glob("*")) if (cache_dir() / "targets").exists() else []:
         click.echo(f"  cached: {folder}")
     click.echo("  any HF Llama/Mistral/Qwen2/Qwen3 folder or hub id via --target")
-    from bench.drafters import list_drafters
+    from bench.core.drafters import list_drafters
 
     click.echo("drafters:")
     for target_name, method, kind, folder in list_drafters():

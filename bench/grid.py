@@ -33,7 +33,7 @@ from pathlib import Path
 
 import click
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 BASELINE = "ar"
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
@@ -57,7 +57,7 @@ class Cell:
 
 def grid_methods() -> list[str]:
     """Every lossless drafting method of the registry (new methods join by registering)."""
-    from methods import METHODS
+    from bench.registry import METHODS
 
     return [name for name, info in METHODS.items() if name not in SKIPPED_METHODS and info.lossless]
 
@@ -113,7 +113,7 @@ def _done_keys(path: Path) -> set[tuple[str, int]]:
 
 def set_aside_if_contended(path: Path) -> int:
     """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
-    from bench.report import contended_turns, read_lenient
+    from bench.tables import contended_turns, read_lenient
 
     if not path.exists():
         return 0
@@ -147,10 +147,10 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status."""
-    from bench.records import git_sha
+    from bench.core.provenance import git_sha
+    from bench.core.target import load_target
+    from bench.registry import build_decoder, get_method
     from bench.run import RunSettings, check_device, record_settings, run
-    from bench.target import load_target
-    from methods import build_decoder, get_method
     from tasks import load_task, task_name
 
     for method in methods:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.core.provenance import git_sha
 from bench.plots import Figured, Skipped
-from bench.records import git_sha
-from bench.report import Records, Tables, display_table
+from bench.tables import Records, Tables, display_table
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }

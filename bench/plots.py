@@ -19,7 +19,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
-from bench.report import BASELINE, Records, Tables  # noqa: E402
+from bench.tables import BASELINE, Records, Tables  # noqa: E402
 
 # Stable file contents for the same inputs (committed figures should not churn).
 RC = {"svg.hashsalt": "bench-report", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False}
@@ -43,14 +43,14 @@ class Skipped:
 
 def _order(methods: list[str]) -> list[str]:
     """Registry order (ar first, then as `bench list` shows them), unknown names last."""
-    from methods import METHODS
+    from bench.registry import METHODS
 
     known = list(METHODS)
     return sorted(set(methods), key=lambda m: (known.index(m) if m in known else len(known), m))
 
 
 def _color(method: str) -> tuple:
-    from methods import METHODS
+    from bench.registry import METHODS
 
     known = list(METHODS)
     index = known.index(method) if method in known else len(known) + sum(map(ord, method)) % 7

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
-import time
-from importlib import metadata
 from pathlib import Path
 
-import torch
-
-from bench.errors import BenchError
-
-PACKAGES = ("torch", "transformers", "gguf", "triton", "pandas", "numpy", "safetensors")
+from bench.core.errors import BenchError
+from bench.core.provenance import provenance
 
 
 def records_path(results_dir: Path, target: str, task: str, method: str, tag: str | None = None) -> Path:
@@ -50,50 +43,6 @@ def split_repeat(tag: str | None) -> tuple[str, int]:
     """(tag of repeat 1, repeat number) of a recorded tag: "grid.rep2" -> ("grid", 2)."""
     match = REPEAT.match(tag or "")
     return (match["tag"] or "", int(match["repeat"])) if match else (tag or "", 1)
-
-
-def git_sha() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha or "unknown") + ("-dirty" if dirty else "")
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def provenance(device: str) -> dict:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return {
-        "git_sha": git_sha(),
-        "python": sys.version.split()[0],
-        "packages": versions,
-        "device": device,
-        "device_name": device_name(device),
-        "torch_threads": torch.get_num_threads(),
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 _HELD: dict[str, object] = {}  # record-file locks this process holds (bench.records.RunFile.claim)

@@ -18,11 +18,12 @@ import torch
 from tqdm import tqdm
 
 from bench import metrics
-from bench.errors import BenchError
+from bench.core.decode import DecodeConfig
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
+from bench.core.target import chat_prompt
 from bench.monitor import UtilizationMonitor
 from bench.records import RunFile, records_path, repeat_tag
-from bench.runner import DecodeConfig
-from bench.sampling import SamplingConfig
 from tasks import Question, load_task, task_name
 
 BASELINE = "ar"
@@ -63,13 +64,6 @@ def turn_seed(seed: int, question_id: str, turn: int) -> int:
     """A per-turn seed, so a resumed run draws the same numbers as an uninterrupted one."""
     digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 def _prompt_hash(prompt: list[int]) -> str:
@@ -208,8 +202,8 @@ def run(settings: RunSettings, repeats: int = 1) -> dict:
 
 def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     """One interleaved pass over the task: {side: (its finished turns, its record file)}."""
-    from bench.target import load_target, parse_dtype
-    from methods import build_decoder, get_method
+    from bench.core.target import load_target, parse_dtype
+    from bench.registry import build_decoder, get_method
 
     get_method(settings.method)  # fail fast on a typo, before loading anything
     check_device(settings.device)

@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from bench import metrics
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 from bench.records import split_repeat
-from bench.report import contended_turns, read_lenient, update_readme
+from bench.tables import contended_turns, read_lenient, update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.runner import Drafter, LoopDecoder
+from bench.core.decode import Drafter, LoopDecoder
 
 
 def build(target, options: dict) -> LoopDecoder:

@@ -13,7 +13,7 @@ CPU a 16-token pass costs ~2.3 one-token steps, a 64-token one ~4).
 
 from __future__ import annotations
 
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
 from methods.dflash import int_option, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
@@ -28,6 +28,6 @@ def build(target, options: dict) -> LoopDecoder:
 
 
 def train(target, settings) -> dict:
-    from bench.errors import BenchError
+    from bench.core.errors import BenchError
 
     raise BenchError("ddtree drafts with the dflash drafter: run `bench train --method dflash`")

@@ -18,8 +18,8 @@ Options: drafter, dtype, block (as dflash), schedule, threshold.
 
 from __future__ import annotations
 
-from bench.errors import BenchError
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
+from bench.core.errors import BenchError
 from methods.dflash import int_option, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
@@ -28,7 +28,7 @@ SCHEDULES = ("throughput", "threshold", "none")
 
 
 def build(target, options: dict) -> LoopDecoder:
-    from bench.profile import quick_chain_costs
+    from bench.core.costs import quick_chain_costs
 
     model, manifest = load_model(target, METHOD, options)
     if not model.config.confidence:

@@ -12,7 +12,7 @@ steps (EAGLE's GPU default is 60 / 5 / 10).
 
 from __future__ import annotations
 
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
 from methods.eagle import load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 

@@ -11,7 +11,7 @@ full 49152 x 576 projection is ~21% of a whole target step.
 
 from __future__ import annotations
 
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
 from methods.eagle import load_head
 from methods.eagle.drafter import EagleDrafter
 from methods.eagle2 import dynamic_tree

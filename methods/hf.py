@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from bench.runner import DecodeConfig, TurnResult
-from bench.target import load_hf_model
+from bench.core.decode import DecodeConfig, TurnResult
+from bench.core.target import load_hf_model
 
 
 class _FirstTokenClock:

@@ -20,10 +20,10 @@ from collections import OrderedDict
 
 import torch
 
-from bench.draft import Draft
-from bench.engine import ForwardOutput
-from bench.runner import DecodeState, Drafter, LoopDecoder
-from bench.verify import Verdict
+from bench.core.decode import DecodeState, Drafter, LoopDecoder
+from bench.core.draft import Draft
+from bench.core.engine import ForwardOutput
+from bench.core.verify import Verdict
 
 
 class NgramPool:
@@ -106,8 +106,8 @@ class LookaheadDrafter(Drafter):
         draft.extra_tokens, draft.extra_positions, draft.extra_mask = tokens, positions, mask
         return draft
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         first = len(draft) + 1
         guesses = out.logits[first:].argmax(-1).tolist()
         last_level = guesses[-self.window:]

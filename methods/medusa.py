@@ -25,7 +25,7 @@ below that cutoff removed. p is the target's distribution after the run's own tr
 (temperature, top-k, top-p). At temperature 0 it is plain greedy verification.
 
 Training (`bench train --method medusa`). Frozen target; features from the shared cache
-(bench.training.features, tap L). Loss per head: soft cross-entropy against the target's
+(bench.core.training.features, tap L). Loss per head: soft cross-entropy against the target's
 own distribution for that token (softmax(lm_head(h_L[t+1+i])), self-distillation: the heads
 are judged against the target, not against ShareGPT's text), option labels=data for
 Medusa's hard CE on the data token. Only (position, head) pairs whose label is an
@@ -72,13 +72,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.draft import Draft
-from bench.drafters import MANIFEST, WEIGHTS, check_target, find_drafter, read_manifest, write_drafter
-from bench.engine import ForwardOutput
-from bench.errors import BenchError
-from bench.runner import DecodeState, Drafter, LoopDecoder
-from bench.sampling import SamplingConfig, process_logits
-from bench.verify import Verdict, verify, verify_greedy
+from bench.core.decode import DecodeState, Drafter, LoopDecoder
+from bench.core.draft import Draft
+from bench.core.drafters import MANIFEST, WEIGHTS, check_target, find_drafter, read_manifest, write_drafter
+from bench.core.engine import ForwardOutput
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig, process_logits
+from bench.core.verify import Verdict, verify, verify_greedy
 
 METHOD = "medusa"
 FORMAT = "spec-bench-medusa/1"
@@ -313,8 +313,8 @@ class MedusaDrafter(Drafter):
         logits = self.head_logits(self.hidden, depth)
         return self.tree.draft(logits.topk(self.ranks_needed, dim=-1).indices.cpu(), depth)
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         self.hidden = out.hidden[self.tap][rows[-1]]
 
     def verify(self, draft: Draft, logits: Tensor, cfg: SamplingConfig,
@@ -422,7 +422,7 @@ def device_sized_tree(target, accuracy: list[list[float]], largest: int = 64) ->
     values come from the measured head accuracies, t_v(k) from the stored `bench profile` of
     this machine, else from a few seconds of timing (the heads' own cost is one pass,
     whatever the tree size, so it does not move the cut)."""
-    from bench.profile import best_size, quick_chain_costs, stored_chain_costs
+    from bench.core.costs import best_size, quick_chain_costs, stored_chain_costs
 
     paths = build_tree(accuracy, largest)
     ranks = rank_probabilities(accuracy)
@@ -697,9 +697,9 @@ class MedusaObjective:
 
 def train(target, settings) -> dict:
     """`bench train --method medusa`: Medusa-1 heads on cached target features."""
-    from bench.training import loop
-    from bench.training.draft_lm import git_sha, timestamp
-    from bench.training.features import FeatureData, ensure_features
+    from bench.core.provenance import git_sha, timestamp
+    from bench.core.training import loop
+    from bench.core.training.features import FeatureData, ensure_features
 
     opts = _training_options(dict(settings.options))
     tap = target.engine.num_layers

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.draft import Draft
-from bench.runner import DecodeState, Drafter, LoopDecoder
+from bench.core.decode import DecodeState, Drafter, LoopDecoder
+from bench.core.draft import Draft
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, num_pred_tokens: int = 10) -> list[int]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from bench.draft import Draft
-from bench.drafters import find_drafter
-from bench.engine import Engine, ForwardOutput
-from bench.errors import BenchError
-from bench.runner import DecodeState, Drafter, LoopDecoder
-from bench.sampling import process_logits
-from bench.verify import WITHOUT_REPLACEMENT
+from bench.core.decode import DecodeState, Drafter, LoopDecoder
+from bench.core.draft import Draft
+from bench.core.drafters import find_drafter
+from bench.core.engine import Engine, ForwardOutput
+from bench.core.errors import BenchError
+from bench.core.sampling import process_logits
+from bench.core.verify import WITHOUT_REPLACEMENT
 from methods.sps import load_draft_engine
 
 MODES = ("topk", "sample", "sample_wor")

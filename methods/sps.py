@@ -9,7 +9,7 @@ target). Draft KV holds only committed tokens plus its own proposals; after each
 it is cropped to the committed prefix it has seen, and the tokens it never produced
 (the correction/bonus token, a rejected tail) are re-fed at the next proposal.
 
-The drafter comes from bench.drafters.find_drafter: a distilled draft LM
+The drafter comes from bench.core.drafters.find_drafter: a distilled draft LM
 (`bench train --method sps`) or any HF causal-LM folder with the same tokenizer.
 
 Options: gamma (int, default 3), schedule ("constant" | "heuristic": HF's rule, +2
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from bench.draft import Draft
-from bench.drafters import MANIFEST, check_target, check_tokenizer, find_drafter, read_manifest
-from bench.engine import Engine, ForwardOutput
-from bench.errors import BenchError
-from bench.runner import DecodeState, Drafter, LoopDecoder
-from bench.sampling import process_logits, sample_from
-from bench.verify import Verdict
+from bench.core.decode import DecodeState, Drafter, LoopDecoder
+from bench.core.draft import Draft
+from bench.core.drafters import MANIFEST, check_target, check_tokenizer, find_drafter, read_manifest
+from bench.core.engine import Engine, ForwardOutput
+from bench.core.errors import BenchError
+from bench.core.sampling import process_logits, sample_from
+from bench.core.verify import Verdict
 
 METHOD = "sps"
 SCHEDULES = ("constant", "heuristic")
@@ -52,8 +52,8 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from bench.target import load_state_dict
-    from bench.training.draft_lm import config_from_dict
+    from bench.core.target import load_state_dict
+    from bench.core.training.draft_lm import config_from_dict
 
     folder = Path(folder)
     engine = target.engine
@@ -138,8 +138,8 @@ class SpsDrafter(Drafter):
                 feed = torch.tensor([token])
         return Draft.chain(tokens, q=torch.stack(q_rows) if q_rows else None)
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         # Draft KV = committed tokens before the round + d1..d(gamma-1). Keep the committed
         # part: everything up to the root, plus the accepted drafts it has already fed.
         before_round = len(state.tokens) - len(verdict.accepted) - 1  # committed length at propose time
@@ -167,7 +167,7 @@ def build(target, options: dict) -> SpsDecoder:
     if unknown:
         raise BenchError(f"unknown sps option '{unknown[0]}' (known: {', '.join(sorted(known))})")
     folder = find_drafter(target.name, METHOD, options.get("drafter"))
-    from bench.target import parse_dtype
+    from bench.core.target import parse_dtype
 
     dtype = parse_dtype(str(options.get("draft_dtype", "bfloat16")))
     draft, info = load_draft_engine(target, folder, dtype)
@@ -183,6 +183,6 @@ def build(target, options: dict) -> SpsDecoder:
 
 def train(target, settings) -> dict:
     """`bench train --method sps`: distil a small draft LM from the target."""
-    from bench.training.draft_lm import train_draft_lm
+    from bench.core.training.draft_lm import train_draft_lm
 
     return train_draft_lm(target, settings)

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _find_source(task: str, data_dir) -> Path:
 
 
 def _download(task: str) -> Path:
-    from bench.target import cache_dir
+    from bench.core.target import cache_dir
 
     path = cache_dir() / "data" / LOCAL_FILES[task]
     if path.exists():

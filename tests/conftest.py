@@ -18,14 +18,14 @@ TINY_TASK = [  # MT-bench format; one two-turn question so conversations are exe
 
 @pytest.fixture(scope="session")
 def default_target():
-    from bench.target import load_target
+    from bench.core.target import load_target
 
     return load_target(device="cpu")
 
 
 @pytest.fixture(scope="session")
 def hf_model(default_target):
-    from bench.target import load_hf_model
+    from bench.core.target import load_hf_model
 
     return load_hf_model(default_target.path, "cpu")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from bench.engine import Engine
-from bench.target import Target, load_state_dict, resolve_target, weights_fingerprint
+from bench.core.engine import Engine
+from bench.core.target import Target, load_state_dict, resolve_target, weights_fingerprint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -77,7 +77,7 @@ def write_sharegpt(path: Path, conversations: int = 12, truncated: bool = True) 
 
 def three_token_joint(engine, prompt: list[int], cfg) -> tuple[dict[tuple, int], list[float]]:
     """The target's p(a) p(b|a) p(c|ab) over its (warped) support: cell index and probability."""
-    from bench.sampling import probabilities
+    from bench.core.sampling import probabilities
 
     def p(context: list[int]) -> torch.Tensor:
         return probabilities(engine.prefill(torch.tensor(prompt + context)).logits[-1], cfg).double()

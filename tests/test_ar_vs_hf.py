@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.core.decode import DecodeConfig, Drafter, decode
 from bench.run import RunSettings, run
-from bench.runner import DecodeConfig, Drafter, decode
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:

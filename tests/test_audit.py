@@ -6,10 +6,10 @@ import json
 
 from click.testing import CliRunner
 
+import bench.registry as registry
 import bench.run as run_module
-import methods
 from bench.cli import main
-from bench.runner import Drafter, LoopDecoder
+from bench.core.decode import Drafter, LoopDecoder
 
 
 class _Records:
@@ -63,21 +63,21 @@ class _CorruptingDrafter(Drafter):
 
     name = "broken"
 
-    def accept(self, state, draft, verdict, out, rows) -> None:
+    def learn(self, state, draft, verdict, out, rows) -> None:
         if len(state.generated) == 3:
             state.tokens[-1] = (state.tokens[-1] + 1) % 1000
 
 
 def test_strict_fails_on_a_real_mismatch(monkeypatch, tmp_path, tiny_task):
-    original = methods.build_decoder
+    original = registry.build_decoder
 
     def build(name, target, options=None):
         if name == "broken":
             return LoopDecoder(target, _CorruptingDrafter())
         return original(name, target, options)
 
-    monkeypatch.setattr(methods, "build_decoder", build)
-    monkeypatch.setitem(methods.METHODS, "broken", methods.MethodInfo("broken", "-", "test only"))
+    monkeypatch.setattr(registry, "build_decoder", build)
+    monkeypatch.setitem(registry.METHODS, "broken", registry.MethodInfo("broken", "-", "test only"))
     args = ["run", "--method", "broken", "--task", str(tiny_task), "--limit", "1", "--max-new-tokens", "8",
             "--results-dir", str(tmp_path)]
     result = CliRunner().invoke(main, args + ["--strict"])

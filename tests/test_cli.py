@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import bench.target
+import bench.core.target
 from bench.cli import main
 
 
@@ -26,7 +26,7 @@ def no_target_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the target model was loaded")
 
-    monkeypatch.setattr(bench.target, "load_target", refuse)
+    monkeypatch.setattr(bench.core.target, "load_target", refuse)
 
 
 def assert_bad_input(result, *fragments: str) -> None:

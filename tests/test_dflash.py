@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from bench.errors import BenchError
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
 from methods.dflash.drafter import BlockDrafter, BlockSettings, admit_by_throughput, ddtree
 from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
 from methods.dflash.training import BlockObjective, BlockTrainSettings, export_model
@@ -108,7 +108,7 @@ def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
     model = random_model(target, markov=16, confidence=True).eval()
     drafter = BlockDrafter(target, model, BlockSettings(mode="scheduled", block=5, schedule="none"), "dspark")
     prefill = target.engine.prefill(torch.tensor(prompt_of(target)), taps=drafter.taps)
-    from bench.runner import DecodeState
+    from bench.core.decode import DecodeState
 
     state = DecodeState(tokens=prompt_of(target) + [int(prefill.logits[-1].argmax())],
                         prompt_len=len(prompt_of(target)), engine=target.engine,
@@ -132,7 +132,7 @@ def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
 @pytest.fixture
 def tiny_training(default_target, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
-    from bench.training import TrainSettings
+    from bench.core.training import TrainSettings
 
     def make(steps, out, **options):
         return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
@@ -144,7 +144,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, method):
-    import methods
+    import bench.registry as registry
     from methods.dflash.training import DSPARK_DEFAULTS, train_block
 
     defaults = DSPARK_DEFAULTS if method == "dspark" else None
@@ -163,31 +163,31 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     names = ["dflash", "ddtree"] if method == "dflash" else ["dspark", "dflash"]
     for name in names:
         options = {"drafter": str(folder), "schedule": "threshold"} if name == "dspark" else {"drafter": str(folder)}
-        decoder = methods.build_decoder(name, default_target, options)
+        decoder = registry.build_decoder(name, default_target, options)
         assert decoder.run_turn(prompt, config).tokens == reference
     if method == "dflash":
         with pytest.raises(BenchError, match="confidence head"):
-            methods.build_decoder("dspark", default_target, {"drafter": str(folder)})
+            registry.build_decoder("dspark", default_target, {"drafter": str(folder)})
     with pytest.raises(BenchError, match="block"):
-        methods.build_decoder("dflash", default_target, {"drafter": str(folder), "block": 9})
+        registry.build_decoder("dflash", default_target, {"drafter": str(folder), "block": 9})
     with pytest.raises(BenchError, match="unknown dflash training option"):
         train_block(default_target, tiny_training(1, "x", blocks=3), "dflash")
 
 
 def test_a_foreign_or_corrupt_drafter_is_refused(default_target, tmp_path):
-    import methods
+    import bench.registry as registry
 
     model = random_model(default_target)
     export_model(model, tmp_path, {"method": "dflash", "target": {"name": "x", "fingerprint": "0" * 16,
                                                                   "vocab_size": default_target.config.vocab_size}})
     with pytest.raises(BenchError, match="trained for target"):
-        methods.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
+        registry.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
     manifest = json.loads((tmp_path / "drafter.json").read_text())
     manifest["target"]["fingerprint"] = default_target.fingerprint
     (tmp_path / "drafter.json").write_text(json.dumps(manifest))
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(BenchError, match="corrupt"):
-        methods.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
+        registry.build_decoder("dflash", default_target, {"drafter": str(tmp_path)})
     with pytest.raises(BenchError, match="ddtree drafts with the dflash drafter"):
         from methods.ddtree import train
 
@@ -195,7 +195,7 @@ def test_a_foreign_or_corrupt_drafter_is_refused(default_target, tmp_path):
 
 
 def test_calibration_metrics():
-    from methods.dflash.calibration import auroc, calibration_pairs, expected_calibration_error
+    from scripts.dflash_calibration import auroc, calibration_pairs, expected_calibration_error
 
     assert auroc([0.9, 0.8, 0.3, 0.1], [1, 1, 0, 0]) == 1.0
     assert auroc([0.1, 0.9], [1, 0]) == 0.0

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench.errors import BenchError
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead, rope_theta
 from methods.eagle.training import eagle3_taps, shifted
@@ -61,7 +61,7 @@ def test_draft_tokens_come_from_the_draft_vocabulary(default_target):
     drafter = EagleDrafter(default_target, head, TreeSettings(total_token=10, depth=3, top_k=3))
     prompt = prompt_of(default_target)
     out = default_target.engine.prefill(torch.tensor(prompt), taps=drafter.taps, logits_rows="last")
-    from bench.runner import DecodeState
+    from bench.core.decode import DecodeState
 
     state = DecodeState(tokens=prompt + [int(out.logits[-1].argmax())], prompt_len=len(prompt),
                         engine=default_target.engine, config=DecodeConfig(), generator=None)
@@ -101,7 +101,7 @@ def test_shifted():
 @pytest.fixture
 def tiny_training(default_target, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
-    from bench.training import TrainSettings
+    from bench.core.training import TrainSettings
 
     def make(kind, steps, out):
         return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
@@ -112,7 +112,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind,method", [("eagle1", "eagle"), ("eagle3", "eagle3")])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, kind, method):
-    import methods
+    import bench.registry as registry
     from methods.eagle.training import train_eagle
 
     first = train_eagle(default_target, tiny_training(kind, 2, method), kind, method)
@@ -128,28 +128,28 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
     reference = decode(default_target.engine, Drafter(), prompt, config).tokens
     for name in names:
-        decoder = methods.build_decoder(name, default_target, {"drafter": str(folder)})
+        decoder = registry.build_decoder(name, default_target, {"drafter": str(folder)})
         assert decoder.run_turn(prompt, config).tokens == reference
     wrong = "eagle3" if kind == "eagle1" else "eagle"
     with pytest.raises(BenchError, match="head"):
-        methods.build_decoder(wrong, default_target, {"drafter": str(folder)})
+        registry.build_decoder(wrong, default_target, {"drafter": str(folder)})
 
 
 def test_a_drafter_for_other_weights_is_refused(default_target, tmp_path):
-    import methods
+    import bench.registry as registry
     from methods.eagle.training import export_head
 
     head = random_head(default_target, "eagle1")
     export_head(head, tmp_path, {"method": "eagle", "target": {"name": "x", "fingerprint": "0" * 16,
                                                              "vocab_size": default_target.config.vocab_size}})
     with pytest.raises(BenchError, match="trained for target"):
-        methods.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
+        registry.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     manifest = json.loads((tmp_path / "drafter.json").read_text())
     manifest["target"]["fingerprint"] = default_target.fingerprint
     (tmp_path / "drafter.json").write_text(json.dumps(manifest))
     with pytest.raises(BenchError, match="corrupt"):
-        methods.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
+        registry.build_decoder("eagle", default_target, {"drafter": str(tmp_path)})
 
 
 def _published_folder(folder, head, target, kind):

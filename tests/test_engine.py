@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.draft import Draft
-from bench.engine import Engine
-from bench.errors import BenchError
+from bench.core.draft import Draft
+from bench.core.engine import Engine
+from bench.core.errors import BenchError
 
 TOLERANCE = 1e-4  # max abs logit difference allowed against HF in fp32
 

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from bench.errors import BenchError
-from bench.training import features as features_module
-from bench.training.features import FeatureData, FeatureStore, ensure_features, features_dir
+from bench.core.errors import BenchError
+from bench.core.training import features as features_module
+from bench.core.training.features import FeatureData, FeatureStore, ensure_features, features_dir
 
 
 @pytest.fixture

@@ -33,10 +33,10 @@ import pytest
 import torch
 from torch import Tensor
 
-import bench.verify as verify_module
-from bench.draft import Draft
-from bench.sampling import SamplingConfig, probabilities
-from bench.verify import WITHOUT_REPLACEMENT, verify
+import bench.core.verify as verify_module
+from bench.core.draft import Draft
+from bench.core.sampling import SamplingConfig, probabilities
+from bench.core.verify import WITHOUT_REPLACEMENT, verify
 
 V = 8
 TRIALS = 12_000

@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
 
 import methods.medusa as medusa
-from bench.draft import Draft
-from bench.errors import BenchError
-from bench.runner import DecodeConfig, Drafter, LoopDecoder, decode
-from bench.sampling import SamplingConfig
-from bench.training import TrainSettings
+from bench.core.decode import DecodeConfig, Drafter, LoopDecoder, decode
+from bench.core.draft import Draft
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
+from bench.core.training import TrainSettings
 from methods.medusa import (
     Features,
     MedusaDrafter,

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import save_file
 from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
 
-from bench.drafters import MANIFEST, WEIGHTS, user_dir
-from bench.engine import ForwardOutput
-from bench.errors import BenchError
-from bench.runner import DecodeConfig, DecodeState, Drafter, decode
-from bench.sampling import SamplingConfig
-from bench.training import TrainSettings
-from bench.training.loop import read_log
+from bench.core.decode import DecodeConfig, DecodeState, Drafter, decode
+from bench.core.drafters import MANIFEST, WEIGHTS, user_dir
+from bench.core.engine import ForwardOutput
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
+from bench.core.training import TrainSettings
+from bench.core.training.loop import read_log
 from methods import mtp
 from methods.mtp import build
 from methods.mtp.drafter import ParallelDrafter, SequentialDrafter, make_drafter
@@ -31,7 +31,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompt(default_target) -> list[int]:
-    from bench.run import chat_prompt
+    from bench.core.target import chat_prompt
 
     return chat_prompt(default_target.tokenizer, [{"role": "user", "content": "Explain what a list is in Python."}])
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from bench.profile import SHAPES, chain_costs, format_profile, random_engine, random_tree_mask, verify_latency
+from bench.core.costs import SHAPES, chain_costs, format_profile, random_engine, random_tree_mask, verify_latency
 
 
 def test_random_tree_mask_is_ancestor_closed():
@@ -52,7 +52,7 @@ def test_chain_costs_interpolate_between_measured_lengths():
 
 
 def test_best_size_trades_expected_tokens_against_verification_cost():
-    from bench.profile import best_size
+    from bench.core.costs import best_size
 
     gains = [0.0, 0.6, 0.9, 1.0, 1.05]
     flat = [1.0] * 6  # free verification: the biggest tree wins
@@ -62,7 +62,7 @@ def test_best_size_trades_expected_tokens_against_verification_cost():
     assert best_size([0.0, 0.01], [1.0, 1.0, 2.0]) == 0  # a draft that costs more than it brings: none
 
 
-def test_stored_chain_costs_only_from_this_machine(tmp_path):
+def test_stored_chain_costs_only_from_this_machine(tmp_path, monkeypatch):
     """Medusa sizes its tree from the stored profile when it was measured here (same weights,
     dtype, device name, torch threads), so the size does not move with timing noise."""
     import json
@@ -71,24 +71,30 @@ def test_stored_chain_costs_only_from_this_machine(tmp_path):
     import pytest
     import torch
 
-    from bench.profile import stored_chain_costs
-    from bench.records import device_name
+    from bench.core.costs import profile_path, stored_chain_costs
+    from bench.core.provenance import device_name
 
     target = SimpleNamespace(name="tiny", fingerprint="f1",
                              engine=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
     rows = [{"kind": "chain", "k": 1, "median_s": 0.01}, {"kind": "chain", "k": 4, "median_s": 0.04}]
     provenance = {"device_name": device_name("cpu"), "torch_threads": torch.get_num_threads()}
-    path = tmp_path / "tiny" / "profile" / "cpu-float32.json"
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path))
+    path = profile_path("tiny", "cpu", "float32")  # where `bench profile` stores it; never read from results/
     path.parent.mkdir(parents=True)
 
     def stored(**changes) -> list[float] | None:
         profile = {"fingerprint": "f1", "dtype": "float32", "rows": rows, "provenance": provenance}
         path.write_text(json.dumps({**profile, **changes}))
-        return stored_chain_costs(target, 4, (tmp_path,))
+        return stored_chain_costs(target, 4)
 
     assert stored() == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])
     assert stored(fingerprint="other weights") is None
     assert stored(provenance={**provenance, "torch_threads": torch.get_num_threads() + 1}) is None
     assert stored(provenance={**provenance, "device_name": "another cpu"}) is None
     path.write_text("{not json")
-    assert stored_chain_costs(target, 4, (tmp_path,)) is None
+    assert stored_chain_costs(target, 4) is None
+    path.rename(tmp_path / "elsewhere.json")
+    assert stored_chain_costs(target, 4) is None
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"fingerprint": "f1", "dtype": "float32", "rows": rows,
+                                                         "provenance": provenance}))
+    assert stored_chain_costs(target, 4, tmp_path / "elsewhere.json") == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 from bench.records import RunFile, read_records, records_path
 
 SETTINGS = {"method": "ar", "task": "tiny", "max_new_tokens": 12, "seed": 0,

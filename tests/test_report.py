@@ -19,9 +19,9 @@ from report_helpers import PLD_ROUNDS, TARGET, turn, write_clean, write_profile,
 
 from bench import metrics
 from bench.cli import main
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 from bench.plots import Figured, Skipped, make_figures
-from bench.report import (
+from bench.tables import (
     build_tables,
     display_table,
     load_records,
@@ -256,9 +256,9 @@ class _FakeTarget:
 def fake_bench(monkeypatch):
     """The grid's code path with the model parts replaced: a fake target and decoders, and a
     `run` that writes one turn record per planned turn (as bench run does)."""
+    import bench.core.target
+    import bench.registry as registry
     import bench.run
-    import bench.target
-    import methods
     from bench.records import RunFile, records_path
     from tasks import load_task, task_name
 
@@ -282,8 +282,8 @@ def fake_bench(monkeypatch):
                         records.add_turn({k: v for k, v in turn(q.question_id, number).items() if k != "type"})
         return {}
 
-    monkeypatch.setattr(bench.target, "load_target", lambda *a, **k: _FakeTarget)
-    monkeypatch.setattr(methods, "build_decoder", build_decoder)
+    monkeypatch.setattr(bench.core.target, "load_target", lambda *a, **k: _FakeTarget)
+    monkeypatch.setattr(registry, "build_decoder", build_decoder)
     monkeypatch.setattr(bench.run, "run", fake_run)
     return calls
 
@@ -342,12 +342,12 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
 
 
 def test_grid_methods_come_from_the_registry():
-    import methods
+    import bench.registry as registry
     from bench.grid import grid_methods
 
     chosen = grid_methods()
     assert "ar" not in chosen and "hf" not in chosen and "pld" in chosen and "eagle3" in chosen
-    assert all(methods.METHODS[m].lossless for m in chosen)
+    assert all(registry.METHODS[m].lossless for m in chosen)
 
 
 def test_summary_table_into_readme(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft, three_token_joint
 
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.sampling import SamplingConfig
 from methods.specinfer import SpecInferDrafter
 
 PROMPTS = [[1, 504, 3213, 28, 1790], [1, 77, 9, 4000, 12, 12, 12, 880, 301, 45, 2, 17]]

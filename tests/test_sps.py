@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import save_file
 from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft, three_token_joint
 
-from bench.draft import Draft
-from bench.drafters import MANIFEST, find_drafter, shipped_dir
-from bench.engine import Engine
-from bench.errors import BenchError
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig, process_logits
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.draft import Draft
+from bench.core.drafters import MANIFEST, find_drafter, shipped_dir
+from bench.core.engine import Engine
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig, process_logits
 from methods.sps import SpsDrafter, build, load_draft_engine
 
 PROMPTS = [[1, 504, 3213, 28, 1790], [1, 77, 9, 4000, 12, 12, 12, 880, 301, 45, 2, 17]]
@@ -59,8 +59,8 @@ class _CheckedSps(SpsDrafter):
         self.reference = reference
         self.rounds = 0
 
-    def accept(self, state, draft, verdict, out, rows) -> None:
-        super().accept(state, draft, verdict, out, rows)
+    def learn(self, state, draft, verdict, out, rows) -> None:
+        super().learn(state, draft, verdict, out, rows)
         self.rounds += 1
         assert self.draft.length == self.seen <= len(state.tokens) - 1
         self.reference.prefill(torch.tensor(state.tokens[: self.seen]), logits_rows="none")
@@ -124,7 +124,7 @@ def _manifest(target, **changes) -> dict:
 
 
 def _write_drafter(folder, target, **changes) -> None:
-    from bench.target import load_state_dict
+    from bench.core.target import load_state_dict
 
     state = load_state_dict(target.path)
     layers = {k: v.to(torch.bfloat16) for k, v in state.items() if k.startswith("model.layers.0.")}
@@ -219,7 +219,7 @@ def test_shipped_drafter_on_real_target(default_target):
     if not (shipped_dir(default_target.name, "sps") / MANIFEST).exists():
         pytest.skip("no shipped sps drafter")
     decoder = build(default_target, {"drafter": str(shipped_dir(default_target.name, "sps"))})
-    from bench.run import chat_prompt
+    from bench.core.target import chat_prompt
 
     prompt = chat_prompt(default_target.tokenizer, [{"role": "user", "content": "Explain what a list is in Python."}])
     config = DecodeConfig(max_new_tokens=64, eos_token_ids=tuple(default_target.eos_token_ids))

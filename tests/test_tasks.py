@@ -9,7 +9,7 @@ import json
 import pytest
 
 import tasks
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 from tasks import Question, load_task, task_name
 
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

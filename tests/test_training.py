@@ -8,11 +8,11 @@ import pytest
 import torch
 from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
 
-from bench.errors import BenchError
-from bench.training import TrainSettings
-from bench.training import loop as loop_module
-from bench.training.data import ShareGPTExamples, format_conversation, read_sharegpt
-from bench.training.draft_lm import DraftDistillation, train_draft_lm
+from bench.core.errors import BenchError
+from bench.core.training import TrainSettings
+from bench.core.training import loop as loop_module
+from bench.core.training.data import ShareGPTExamples, format_conversation, read_sharegpt
+from bench.core.training.draft_lm import DraftDistillation, train_draft_lm
 
 FP32 = {"num_layers": 1, "teacher_dtype": "float32", "autocast": "float32"}
 
@@ -151,13 +151,13 @@ def test_exported_drafter_matches_the_trained_student(tiny_target, sharegpt, tmp
 
 
 def _draft_settings():
-    from bench.training.draft_lm import DraftLMSettings
+    from bench.core.training.draft_lm import DraftLMSettings
 
     return DraftLMSettings(**FP32)
 
 
 def test_init_from_target_layers(tiny_target):
-    from bench.target import load_state_dict
+    from bench.core.target import load_state_dict
 
     objective = DraftDistillation(tiny_target, _draft_settings(), "cpu")
     state = load_state_dict(tiny_target.path)

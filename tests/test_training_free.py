@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_engine import engine_for, tiny_model
 
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.sampling import SamplingConfig
 from methods.lookahead import LookaheadDrafter, NgramPool, trie
 from methods.pld import PromptLookupDrafter, lookup
 

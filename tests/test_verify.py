@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bench.verify as verify_module
-from bench.draft import Draft
-from bench.errors import BenchError
-from bench.sampling import SamplingConfig
-from bench.verify import (
+import bench.core.verify as verify_module
+from bench.core.draft import Draft
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import (
     WITHOUT_REPLACEMENT,
     Verdict,
     chain_reference,

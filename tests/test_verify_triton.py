@@ -1,9 +1,9 @@
 """Triton verification kernels against the torch reference, in Triton's CPU interpreter.
 
-TRITON_INTERPRET must be set before bench.verify_triton defines its kernels (triton reads
+TRITON_INTERPRET must be set before bench.core.verify_triton defines its kernels (triton reads
 it in @triton.jit), so it is set here at import and the module is reloaded if something
 imported it earlier without it. The same comparisons run compiled on a GPU with
-`python -m bench.gpu_check`.
+`python -m scripts.gpu_check`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import bench.verify as verify_module  # noqa: E402
-import bench.verify_triton  # noqa: E402
-from bench.draft import Draft  # noqa: E402
-from bench.sampling import SamplingConfig  # noqa: E402
-from bench.verify import chain_reference, chain_weights, verify, verify_greedy  # noqa: E402
+import bench.core.verify as verify_module  # noqa: E402
+import bench.core.verify_triton  # noqa: E402
+from bench.core.draft import Draft  # noqa: E402
+from bench.core.sampling import SamplingConfig  # noqa: E402
+from bench.core.verify import chain_reference, chain_weights, verify, verify_greedy  # noqa: E402
 
-vt = bench.verify_triton
+vt = bench.core.verify_triton
 if not isinstance(vt._chain_partials, InterpretedFunction):
-    vt = importlib.reload(bench.verify_triton)
+    vt = importlib.reload(bench.core.verify_triton)
 
 
 def random_chain_case(vocab: int, n: int, generator: torch.Generator, masked: bool, scale: float = 3.0):
@@ -179,14 +179,14 @@ def test_kernels_compile_for_hopper(tmp_path):
         pytest.skip("triton's bundled ptxas is missing")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--compile-only"], env=env,
+    done = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--compile-only"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compiled" in done.stdout
 
 
 def test_gpu_check_smoke(tmp_path, monkeypatch, capsys):
-    """bench.gpu_check's logic, with tiny sizes on the CPU interpreter."""
+    """scripts.gpu_check's logic, with tiny sizes on the CPU interpreter."""
     from bench import gpu_check
 
     monkeypatch.setenv("OUT", str(tmp_path))

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from bench.drafters import check_target, drafter_info, find_drafter, read_manifest
-from bench.errors import BenchError
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
+from bench.core.drafters import check_target, drafter_info, find_drafter, read_manifest
+from bench.core.errors import BenchError
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 from methods.dflash.model import BlockConfig, BlockDraftModel
 

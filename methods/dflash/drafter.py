@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.draft import Draft
-from bench.engine import ForwardOutput
-from bench.runner import DecodeState, Drafter
-from bench.sampling import process_logits, sample_from
-from bench.verify import Verdict
+from bench.core.decode import DecodeState, Drafter
+from bench.core.draft import Draft
+from bench.core.engine import ForwardOutput
+from bench.core.sampling import process_logits, sample_from
+from bench.core.verify import Verdict
 from methods.dflash.model import BlockDraftModel
 
 
@@ -164,8 +164,8 @@ class BlockDrafter(Drafter):
         self.cache = self._new_cache()
         self.pending = [prefill.hidden[t] for t in self.taps]
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         index = torch.tensor(rows, device=out.logits.device)
         self.pending = [out.hidden[t][index] for t in self.taps]
 

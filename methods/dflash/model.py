@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.engine import rms_norm, rotate_half
+from bench.core.engine import rms_norm, rotate_half
 from methods.eagle.model import layer_shape
 
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bench.drafters import WEIGHTS, write_drafter
-from bench.errors import BenchError
-from bench.training.features import FeatureData, ensure_features, training_manifest
+from bench.core.drafters import WEIGHTS, write_drafter
+from bench.core.errors import BenchError
+from bench.core.training.features import FeatureData, ensure_features, training_manifest
 from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
 from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
 
@@ -198,7 +198,7 @@ def export_model(model: BlockDraftModel, folder: Path, manifest: dict) -> None:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.training import loop
+    from bench.core.training import loop
 
     known = set(BlockTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)

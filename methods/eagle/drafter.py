@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.draft import Draft
-from bench.engine import ForwardOutput
-from bench.runner import DecodeState, Drafter
-from bench.verify import Verdict
+from bench.core.decode import DecodeState, Drafter
+from bench.core.draft import Draft
+from bench.core.engine import ForwardOutput
+from bench.core.verify import Verdict
 from methods.eagle.model import EagleHead
 
 
@@ -114,8 +114,8 @@ class EagleDrafter(Drafter):
         self.context_rows = 0
         self.pending = ([prefill.hidden[t] for t in self.taps], state.tokens[1:])
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         index = torch.tensor(rows, device=out.logits.device)
         self.pending = ([out.hidden[t][index] for t in self.taps], state.tokens[-len(rows):])
 

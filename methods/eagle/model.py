@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.engine import rms_norm, rotate_half
+from bench.core.engine import rms_norm, rotate_half
 
 
 @dataclass

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bench.drafters import MANIFEST
-from bench.errors import BenchError
+from bench.core.drafters import MANIFEST
+from bench.core.errors import BenchError
 from methods.eagle.model import EagleConfig, EagleHead
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

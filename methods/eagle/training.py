@@ -1,4 +1,4 @@
-"""Training EAGLE heads on cached target features (bench.training.features).
+"""Training EAGLE heads on cached target features (bench.core.training.features).
 
 EAGLE-1: input (f_t + noise, x_{t+1}) -> predicted f_{t+1}. Loss = SmoothL1(f̂, f) +
 0.1 * soft-CE(target probs of x_{t+2}, lm_head(f̂)), the paper's v_w=1 / p_w=0.1, with
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.drafters import WEIGHTS, write_drafter
-from bench.errors import BenchError
-from bench.training.features import FeatureData, ensure_features, training_manifest
+from bench.core.drafters import WEIGHTS, write_drafter
+from bench.core.errors import BenchError
+from bench.core.training.features import FeatureData, ensure_features, training_manifest
 from methods.eagle.model import EagleConfig, EagleHead
 
 FORMAT = "spec-bench-eagle/1"
@@ -308,7 +308,7 @@ def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
 
 def train_eagle(target, settings, kind: str, method: str) -> dict:
     """Train an EAGLE-1 or EAGLE-3 head for `target` into settings.out_dir (resumable)."""
-    from bench.training import loop
+    from bench.core.training import loop
 
     known = set(EagleTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)

@@ -2,7 +2,7 @@
 
 Two variants (`--option variant=...`), both sharing the target's embedding and lm_head
 (frozen, never stored) and trained by distillation on the cached target features
-(bench.training.features).
+(bench.core.training.features).
 
 sequential (default; DeepSeek-V3 2412.19437 §2.2, one module applied recursively)
     row j (position j):   x = Linear_2d->d([RMSNorm(h_{j-1}); RMSNorm(Emb(x_j))])
@@ -56,16 +56,16 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from bench.drafters import WEIGHTS
-from bench.errors import BenchError
-from bench.runner import LoopDecoder
+from bench.core.decode import LoopDecoder
+from bench.core.drafters import WEIGHTS
+from bench.core.errors import BenchError
 from methods.mtp.drafter import MtpDrafter, make_drafter
 from methods.mtp.model import VARIANTS
 from methods.mtp.store import METHOD, find_folder, load_model
 
 if TYPE_CHECKING:
-    from bench.target import Target
-    from bench.training import TrainSettings
+    from bench.core.target import Target
+    from bench.core.training import TrainSettings
 
 __all__ = ["METHOD", "MtpDecoder", "build", "train"]
 
@@ -80,7 +80,7 @@ class MtpDecoder(LoopDecoder):
 
 def build(target: Target, options: dict) -> MtpDecoder:
     """`bench run --method mtp`: the decoding options above, then the drafter they name."""
-    from bench.target import parse_dtype
+    from bench.core.target import parse_dtype
 
     known = {"variant", "depth", "sample", "drafter", "draft_dtype"}
     unknown = sorted(set(options) - known)

@@ -26,17 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.draft import Draft
-from bench.engine import Engine, ForwardOutput
-from bench.errors import BenchError
-from bench.runner import DecodeState, Drafter
-from bench.sampling import process_logits, sample_from
-from bench.verify import Verdict
+from bench.core.decode import DecodeState, Drafter
+from bench.core.draft import Draft
+from bench.core.engine import Engine, ForwardOutput
+from bench.core.errors import BenchError
+from bench.core.sampling import process_logits, sample_from
+from bench.core.verify import Verdict
 from methods.mtp.model import ParallelMTP, Rope, SequentialMTP
 from methods.mtp.store import METHOD
 
 if TYPE_CHECKING:
-    from bench.target import Target
+    from bench.core.target import Target
 
 MAX_DEPTH = 16
 
@@ -79,8 +79,8 @@ class MtpDrafter(Drafter):
         self.unfed = prefill.hidden[self.taps[0]].to(self.dtype)
         self.reset_caches()
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         self._feed(out, rows)
 
     def reset_caches(self) -> None:

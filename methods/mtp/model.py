@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.engine import Engine, KVCache, rms_norm, rotate_half
+from bench.core.engine import Engine, KVCache, rms_norm, rotate_half
 
 VARIANTS = ("sequential", "parallel")
 
@@ -65,7 +65,7 @@ class LayerShape:
 
 class DecoderLayer(nn.Module):
     """Pre-norm Llama layer (attention with RoPE + SwiGLU MLP); parameter names follow
-    bench.engine's fused layout, so a target layer copies in directly."""
+    bench.core.engine's fused layout, so a target layer copies in directly."""
 
     def __init__(self, shape: LayerShape) -> None:
         super().__init__()

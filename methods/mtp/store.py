@@ -1,6 +1,6 @@
 """An MTP drafter folder: its name under drafters/<target>/, its format, and reading it back.
 
-The folder holds the trainable weights (bf16, bench.drafters.WEIGHTS) and drafter.json,
+The folder holds the trainable weights (bf16, bench.core.drafters.WEIGHTS) and drafter.json,
 whose "variant" says which module the weights are. Kept apart from methods/mtp/__init__.py
 so that drafter.py and training.py can share these names without importing the
 package's entry points (an import cycle).
@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from bench.drafters import WEIGHTS, check_target, find_drafter, read_manifest
-from bench.errors import BenchError
+from bench.core.drafters import WEIGHTS, check_target, find_drafter, read_manifest
+from bench.core.errors import BenchError
 from methods.mtp.model import VARIANTS, LayerShape, new_model
 
 if TYPE_CHECKING:
-    from bench.target import Target
+    from bench.core.target import Target
 
 METHOD = "mtp"
 FORMAT = "spec-bench-mtp/1"

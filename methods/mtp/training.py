@@ -4,7 +4,7 @@ Soft cross-entropy against the target's own next-token distribution (KL(p || q),
 fused loss of methods/mtp/loss.py), only where the predicted token is an assistant-reply
 token and inside one conversation; steps / heads weighted step_decay^(k-1) (EAGLE-3's
 0.8), each averaged over its valid rows. Inputs are the cached target features
-(bench.training.features); the sequential module unrolls its chain `ttt_steps` times
+(bench.core.training.features); the sequential module unrolls its chain `ttt_steps` times
 (methods/mtp/model.chained_outputs). The drafter folder holds the trainable weights
 (bf16) and drafter.json; the parallel variant is trained into
 `.../drafters/<target>/mtp-parallel` (the manifest says method "mtp", variant "parallel"),
@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from bench.drafters import WEIGHTS, read_manifest, user_dir, write_drafter
-from bench.errors import BenchError
+from bench.core.drafters import WEIGHTS, read_manifest, user_dir, write_drafter
+from bench.core.errors import BenchError
 from methods.mtp.loss import distill_loss
 from methods.mtp.model import VARIANTS, LayerShape, Rope, chained_outputs, new_model
 from methods.mtp.store import FORMAT, METHOD, drafter_key
 
 if TYPE_CHECKING:
-    from bench.target import Target
-    from bench.training import TrainSettings
-    from bench.training.features import FeatureData
+    from bench.core.target import Target
+    from bench.core.training import TrainSettings
+    from bench.core.training.features import FeatureData
 
 
 @dataclass
@@ -74,7 +74,7 @@ class MtpSettings:
         return tap
 
     def feature_data(self, data_path: Path | None) -> FeatureData:
-        from bench.training.features import FeatureData
+        from bench.core.training.features import FeatureData
 
         values = {"self_distill": self.self_distill}
         if self.feature_tokens is not None:
@@ -134,7 +134,7 @@ def windows_of(offsets: list[int], max_len: int) -> list[tuple[int, int, int]]:
 
 
 class MtpObjective:
-    """bench.training.loop Objective over the cached features; batches are window lists."""
+    """bench.core.training.loop Objective over the cached features; batches are window lists."""
 
     def __init__(self, target: Target, model: nn.Module, settings: MtpSettings, features: dict[str, Tensor],
                  device: str | torch.device = "cpu") -> None:
@@ -149,7 +149,7 @@ class MtpObjective:
         self.embed = engine.embed.detach().to(self.device, torch.float32)
         self.lm_head = engine.lm_head.detach().to(self.device, torch.float32)
         self.rope = Rope(engine, torch.float32, self.device)
-        from bench.target import parse_dtype
+        from bench.core.target import parse_dtype
 
         self.head_dtype = parse_dtype(settings.head_dtype)
         self.train_steps = settings.ttt_steps if self.variant == "sequential" else settings.heads
@@ -249,9 +249,9 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     """`bench train --method mtp`: train the MTP module(s) on cached target features into
     settings.out_dir (resuming from a checkpoint there); exports the drafter at every
     checkpoint with its held-out agreement per step."""
-    from bench.training import loop
-    from bench.training.draft_lm import git_sha, timestamp
-    from bench.training.features import ensure_features
+    from bench.core.provenance import git_sha, timestamp
+    from bench.core.training import loop
+    from bench.core.training.features import ensure_features
 
     opts = MtpSettings.parse(dict(settings.options))
     num_layers = target.engine.num_layers

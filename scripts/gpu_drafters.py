@@ -8,7 +8,7 @@ AR's. Random weights make acceptance meaningless: this measures what a round cos
 (the block drafters' one pass vs EAGLE-3's pass per tree level) and checks the decode
 paths are lossless on CUDA.
 
-    python -m bench.gpu_drafters [--shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b]
+    python -m scripts.gpu_drafters [--shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.gpu_loop import repetitive_prompt
-from bench.profile import random_engine
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.costs import random_engine
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.sampling import SamplingConfig
+from scripts.gpu_loop import repetitive_prompt
 
 
 def fake_target(engine) -> SimpleNamespace:
@@ -102,7 +102,7 @@ def time_shape(shape: str, device: torch.device, prompts: int = 2, new_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_drafters", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_drafters", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)

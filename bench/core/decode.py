@@ -1,6 +1,6 @@
 """The one decode loop every method runs through.
 
-prefill -> rounds of [propose -> verify -> accept -> commit -> drafter update] until
+prefill -> rounds of [propose -> verify -> commit -> the drafter learns from the round] until
 max_new_tokens, an EOS token or a stop string. A method is a Drafter plugged into this
 loop; the AR baseline is the Drafter that proposes nothing, so each of its rounds is a
 one-token target step through exactly the same code, and timings are comparable.
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.draft import Draft
-from bench.engine import Engine, ForwardOutput
-from bench.sampling import SamplingConfig, sample
-from bench.verify import Verdict, verify
+from bench.core.draft import Draft
+from bench.core.engine import Engine, ForwardOutput
+from bench.core.sampling import SamplingConfig, sample
+from bench.core.verify import Verdict, verify
 
 
 @dataclass
@@ -48,7 +48,7 @@ class DecodeState:
 
 
 class Drafter:
-    """Base drafter: proposes nothing. Subclasses override propose/accept (and begin)."""
+    """Base drafter: proposes nothing. Subclasses override propose and learn (and begin)."""
 
     name = "ar"
     lossless = True  # False only for methods whose acceptance rule changes the output
@@ -67,8 +67,8 @@ class Drafter:
         `lossless = False` so its records are kept out of lossless tables)."""
         return verify(draft, logits, sampling, generator)
 
-    def accept(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
-               rows: list[int]) -> None:
+    def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
+              rows: list[int]) -> None:
         """Learn from the verified round. `rows` are the verify-pass rows now committed
         ([root] + accepted nodes); out.hidden[l][rows] are their tapped features."""
 
@@ -153,7 +153,7 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
         keep, reason = stop.cut(state.generated, before)
         t3 = time.perf_counter()
         if reason is None:
-            drafter.accept(state, draft, verdict, out, rows)
+            drafter.learn(state, draft, verdict, out, rows)
         _sync(device)
         verify_time += t2 - t1
         draft_time += (t1 - t0) + (time.perf_counter() - t3)

@@ -7,7 +7,7 @@ random-weight engine of its shape with its real tokenizer (a folder of config an
 tokenizer files) and a small ShareGPT-format JSON file. Acceptance is meaningless with
 random weights; this checks that the pipeline runs on CUDA and stays lossless there.
 
-    python -m bench.gpu_train_check --assets .gpu_assets [--device cuda] [--steps 4]
+    python -m scripts.gpu_train_check --assets .gpu_assets [--device cuda] [--steps 4]
 
 `--prepare DIR` (on a machine with the default target cached) writes the assets folder.
 """
@@ -34,8 +34,8 @@ ALSO_DECODE = {"dflash": ("ddtree",)}  # methods that decode with another method
 
 def prepare(dest: Path, conversations: int = 200) -> None:
     """Tokenizer/config files of the default target and a ShareGPT subset (no weights)."""
-    from bench.target import load_target
-    from bench.training.data import read_sharegpt
+    from bench.core.target import load_target
+    from bench.core.training.data import read_sharegpt
 
     target = load_target(device="cpu")
     dest.mkdir(parents=True, exist_ok=True)
@@ -52,8 +52,8 @@ def prepare(dest: Path, conversations: int = 200) -> None:
 def random_target(assets: Path, device: str):
     from transformers import AutoTokenizer
 
-    from bench.profile import random_engine
-    from bench.target import Target
+    from bench.core.costs import random_engine
+    from bench.core.target import Target
 
     engine = random_engine("smollm2-135m", device, torch.float32, logit_scale=8.0)
     return Target(name="smollm2-135m-random", path=assets, fingerprint="random-weights", engine=engine,
@@ -61,11 +61,11 @@ def random_target(assets: Path, device: str):
 
 
 def check_method(method: str, target, assets: Path, work: Path, steps: int, device: str) -> dict:
-    import methods
-    from bench.run import chat_prompt
-    from bench.runner import DecodeConfig, Drafter, decode
-    from bench.sampling import SamplingConfig
-    from bench.training import TrainSettings
+    import bench.registry as registry
+    from bench.core.decode import DecodeConfig, Drafter, decode
+    from bench.core.sampling import SamplingConfig
+    from bench.core.target import chat_prompt
+    from bench.core.training import TrainSettings
 
     settings = TrainSettings(out_dir=work / method, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
                              device=device, progress=False, checkpoint_every_s=1e9,
@@ -83,7 +83,7 @@ def check_method(method: str, target, assets: Path, work: Path, steps: int, devi
     row = {"method": method, "steps": summary["steps"], "train_s": round(train_s, 1),
            "loss": round(float(last.get("loss", float("nan"))), 4)}
     for name in (method,) + ALSO_DECODE.get(method, ()):
-        decoder = methods.build_decoder(name, target, {"drafter": summary["drafter"]})
+        decoder = registry.build_decoder(name, target, {"drafter": summary["drafter"]})
         exact, draft_s, verify_s, rounds = 0, 0.0, 0.0, 0
         for prompt, reference in references:
             result = decoder.run_turn(prompt, config)
@@ -100,13 +100,13 @@ def check_method(method: str, target, assets: Path, work: Path, steps: int, devi
 def importlib_module(method: str):
     import importlib
 
-    from methods import get_method
+    from bench.registry import get_method
 
     return importlib.import_module(get_method(method).module)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_train_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_train_check", description=__doc__.split("\n")[0])
     parser.add_argument("--assets", type=Path, default=Path(".gpu_assets"))
     parser.add_argument("--prepare", action="store_true", help="write the assets folder and stop")
     parser.add_argument("--device", default="cuda")

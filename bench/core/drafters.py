@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from bench.errors import BenchError
-from bench.target import cache_dir
+from bench.core.errors import BenchError
+from bench.core.target import cache_dir
 
 MANIFEST = "drafter.json"
 WEIGHTS = "model.safetensors"

@@ -5,7 +5,7 @@ repeats so neither side always runs on a warmer cache), repeated. Per repeat the
 ratio is a ratio of sums: (Σ time_peer / Σ tokens_peer) / (Σ time_ours / Σ tokens_ours).
 The output JSON keeps every turn's timings, the settings and the provenance.
 
-    python -m bench.peers --pairs ar-hf --task mtbench --limit 5 --repeats 3
+    python -m scripts.peers --pairs ar-hf --task mtbench --limit 5 --repeats 3
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from bench.errors import BenchError
+from bench.core.decode import DecodeConfig
+from bench.core.errors import BenchError
+from bench.core.target import chat_prompt
 from bench.records import provenance
-from bench.run import chat_prompt
-from bench.runner import DecodeConfig
 
 SPS_GAMMA = 4  # draft tokens per round on both sides of the sps pair
 
@@ -33,8 +33,8 @@ def hf_draft_model(target, folder: Path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from bench.drafters import MANIFEST, read_manifest
-    from bench.training.draft_lm import config_from_dict
+    from bench.core.drafters import MANIFEST, read_manifest
+    from bench.core.training.draft_lm import config_from_dict
 
     if not (Path(folder) / MANIFEST).exists():  # a plain HF folder
         return AutoModelForCausalLM.from_pretrained(folder, dtype=target.engine.dtype).eval()
@@ -65,8 +65,8 @@ PAIRS = {
 
 
 def _decoders(pair: str, target):
-    from bench.drafters import find_drafter
-    from methods import build_decoder
+    from bench.core.drafters import find_drafter
+    from bench.registry import build_decoder
 
     if pair not in PAIRS:
         raise BenchError(f"unknown pair '{pair}' (choose from {', '.join(PAIRS)})")
@@ -124,7 +124,7 @@ def compare(pair: str, target, prompts: list[list[int]], config: DecodeConfig, r
 @click.option("--results-dir", default="results", show_default=True)
 def main(pairs, task, limit, max_new_tokens, repeats, target, device, results_dir) -> None:
     """Time our methods against transformers' own, interleaved; greedy, first turns."""
-    from bench.target import load_target
+    from bench.core.target import load_target
     from tasks import load_task, task_name
 
     try:

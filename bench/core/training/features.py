@@ -15,7 +15,7 @@ the target's next-token logits. A method asking for a tap the cache lacks gets i
 to every shard (one more target pass). Extraction runs in the inference engine, in
 fp32, so features match what the drafter sees at decode time.
 
-Data: ShareGPT conversations in the target's chat template (bench.training.data), or,
+Data: ShareGPT conversations in the target's chat template (bench.core.training.data), or,
 with `self_distill`, the same user prompts answered by the target itself (greedy,
 batched through transformers), which aligns the data with what the target generates.
 """
@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from bench.errors import BenchError
-from bench.target import cache_dir
+from bench.core.errors import BenchError
+from bench.core.target import cache_dir
 
 FORMAT = "spec-bench-features/1"
 SHARD_SEQUENCES = 64
@@ -135,7 +135,7 @@ class FeatureStore:
 def _conversations(target, data: FeatureData, skip: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """(tokens, loss_mask) of training conversations, in a fixed order, from the
     `skip`-th on (a resumed extraction skips what its finished shards hold)."""
-    from bench.training.data import ShareGPTExamples
+    from bench.core.training.data import ShareGPTExamples
 
     examples = ShareGPTExamples(target.tokenizer, data.max_len, data.seed,
                                 path=Path(data.data_path) if data.data_path else None)
@@ -151,8 +151,7 @@ def _self_distilled(target, examples, data: FeatureData, skip: int = 0,
                     batch_size: int = 16) -> Iterator[tuple[Tensor, Tensor]]:
     """First user turn of each conversation, answered by the target (greedy, batched).
     The first `skip` prompts are passed over without generating their replies."""
-    from bench.run import chat_prompt
-    from bench.target import load_hf_model
+    from bench.core.target import chat_prompt, load_hf_model
 
     tokenizer = target.tokenizer
     index = 0
@@ -266,7 +265,7 @@ def training_manifest(step: int, settings, method_settings, store: FeatureStore,
     method's settings, the feature data, epochs, the last 20 steps' mean metrics, git sha."""
     from dataclasses import asdict
 
-    from bench.training.draft_lm import git_sha, timestamp
+    from bench.core.provenance import git_sha, timestamp
 
     last = log_rows[-20:]
     return {

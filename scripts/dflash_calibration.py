@@ -1,6 +1,6 @@
 """How well DSpark's confidence head predicts survival, measured by decoding.
 
-    python -m methods.dflash.calibration --task humaneval --limit 10 --max-new-tokens 128
+    python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
 
 Decodes first turns greedily with the dspark drafter verifying its whole block
 (schedule=none), so every slot's fate is observed. Per round and slot j it pairs the
@@ -21,7 +21,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 
 def expected_calibration_error(predicted: list[float], observed: list[int], bins: int = 10) -> float:
@@ -89,22 +89,22 @@ def summarize_pairs(pairs: list[tuple[int, float, int]]) -> dict:
 
 
 def measure(target, task: str, limit: int, max_new_tokens: int, options: dict, progress: bool = True) -> dict:
-    import methods
-    from bench.run import chat_prompt
-    from bench.runner import DecodeConfig, Drafter, decode
-    from bench.sampling import SamplingConfig
+    import bench.registry as registry
+    from bench.core.decode import DecodeConfig, Drafter, decode
+    from bench.core.sampling import SamplingConfig
+    from bench.core.target import chat_prompt
     from tasks import load_task
 
-    decoder = methods.build_decoder("dspark", target, dict(options, schedule="none"))
+    decoder = registry.build_decoder("dspark", target, dict(options, schedule="none"))
     drafter = decoder.drafter
     rounds: list[tuple[list[float], int]] = []
-    original_accept = drafter.accept
+    original_learn = drafter.learn
 
     def record_round(state, draft, verdict, out, rows):  # confidences of the block just verified
         rounds.append((list(drafter.last_confidences[: len(draft)]), len(verdict.accepted)))
-        original_accept(state, draft, verdict, out, rows)
+        original_learn(state, draft, verdict, out, rows)
 
-    drafter.accept = record_round
+    drafter.learn = record_round
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(0.0),
                           eos_token_ids=tuple(target.eos_token_ids))
     exact = 0
@@ -127,8 +127,8 @@ def measure(target, task: str, limit: int, max_new_tokens: int, options: dict, p
 @click.option("--tag", default=None)
 @click.option("--results-dir", default="results", show_default=True)
 def main(task: str, limit: int, max_new_tokens: int, drafter: str | None, tag: str | None, results_dir: str) -> None:
+    from bench.core.target import load_target
     from bench.records import provenance
-    from bench.target import load_target
 
     try:
         target = load_target(device="cpu")

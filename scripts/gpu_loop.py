@@ -11,7 +11,7 @@ Three parts, each printed as a table and returned as JSON rows:
   weights make acceptance meaningless; the numbers show the loop's overhead per round
   and what a verification pass costs against a one-token step.
 
-    python -m bench.gpu_loop [--shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b]
+    python -m scripts.gpu_loop [--shapes smollm2-135m,llama-3.2-1b,llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from bench.profile import format_profile, random_engine, verify_latency
-from bench.runner import DecodeConfig, Drafter, decode
-from bench.sampling import SamplingConfig
+from bench.core.costs import format_profile, random_engine, verify_latency
+from bench.core.decode import DecodeConfig, Drafter, decode
+from bench.core.sampling import SamplingConfig
 
 NEAR_TIE = 1e-4
 
@@ -111,7 +111,7 @@ def loop_speed(engine, prompts: int = 2, max_new_tokens: int = 128, repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_loop", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_loop", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)

@@ -10,8 +10,6 @@ target's logits are computed on the fly with the compact engine (no grad).
 from __future__ import annotations
 
 import copy
-import subprocess
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.drafters import WEIGHTS, write_drafter
-from bench.engine import Engine
-from bench.errors import BenchError
-from bench.target import load_state_dict, parse_dtype
-from bench.training.data import Example
+from bench.core.drafters import WEIGHTS, write_drafter
+from bench.core.engine import Engine
+from bench.core.errors import BenchError
+from bench.core.provenance import git_sha, timestamp
+from bench.core.target import load_state_dict, parse_dtype
+from bench.core.training.data import Example
 
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
 FORMAT = "spec-bench-draft-lm/1"
@@ -64,7 +63,7 @@ class DraftLMSettings:
 
 
 class DraftDistillation:
-    """Objective for bench.training.loop: KL to the target on reply positions."""
+    """Objective for bench.core.training.loop: KL to the target on reply positions."""
 
     def __init__(self, target, settings: DraftLMSettings, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
@@ -136,18 +135,6 @@ class DraftDistillation:
                                             draft_settings=asdict(self.settings)))
 
 
-def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def timestamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 # ----------------------------------------------------------------------- driver
 def _mean(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if key in r]
@@ -157,8 +144,8 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.training import loop
-    from bench.training.data import ShareGPTExamples
+    from bench.core.training import loop
+    from bench.core.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
     unknown = sorted(set(settings.options) - known)

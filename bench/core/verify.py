@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bench.draft import Draft
-from bench.errors import BenchError
-from bench.sampling import SamplingConfig, process_logits
+from bench.core.draft import Draft
+from bench.core.errors import BenchError
+from bench.core.sampling import SamplingConfig, process_logits
 
 WITHOUT_REPLACEMENT = "without_replacement"  # Draft.meta key: sampled siblings drawn without replacement
 use_triton = True  # module flag: False forces the torch reference everywhere
@@ -139,7 +139,7 @@ def verify_chain(draft: Draft, probs: Tensor, uniforms: Tensor) -> Verdict:
     device = probs.device
     q = None if draft.q is None else draft.q.to(device)
     if _triton_enabled(probs):
-        from bench import verify_triton
+        from bench.core import verify_triton
         tokens = torch.tensor(draft.tokens, dtype=torch.int32, device=device)
         out = verify_triton.chain_accept(probs, None if q is None else q.contiguous(), tokens, uniforms)
         n_accepted, token = verify_triton.chain_result(out, probs.shape[-1])
@@ -276,7 +276,7 @@ def _triton_enabled(tensor: Tensor) -> bool:
     if not use_triton or tensor.device.type not in TRITON_DEVICES:
         return False
     try:
-        import bench.verify_triton  # noqa: F401  (lazy: CPU-only installs never import triton)
+        import bench.core.verify_triton  # noqa: F401  (lazy: CPU-only installs never import triton)
     except ImportError as error:
         warnings.warn(f"triton unavailable ({error}); verifying with the torch reference", stacklevel=3)
         use_triton = False
@@ -284,7 +284,7 @@ def _triton_enabled(tensor: Tensor) -> bool:
 
 
 def _verify_greedy_triton(draft: Draft, logits: Tensor) -> Verdict:
-    from bench import verify_triton
+    from bench.core import verify_triton
     n = len(draft)
     tree = torch.tensor(draft.tokens + draft.parents, dtype=torch.int32, device=logits.device)
     out, _ = verify_triton.greedy_tree(logits.contiguous(), tree[:n], tree[n:], max(draft.depths(), default=0))

@@ -1,6 +1,6 @@
 """Triton kernels for the verification hot path: sampling chains and greedy trees.
 
-bench.verify holds the readable torch reference of every rule and calls these on CUDA.
+bench.core.verify holds the readable torch reference of every rule and calls these on CUDA.
 Randomness comes in as uniforms drawn by the caller (one per draft node, one for the
 final draw), so for the same uniforms these kernels and the torch reference agree token
 for token (up to float32 rounding of a cumulative sum, which moves a draw only when its

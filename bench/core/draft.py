@@ -21,10 +21,10 @@ class Draft:
     parents: list[int]
     q: Tensor | None = None  # [n, V]
     sampled_children: bool = False  # siblings drawn i.i.d. from q (SpecInfer multi-draft)
-    meta: dict = field(default_factory=dict)  # extras; bench.verify reads meta[WITHOUT_REPLACEMENT]
+    meta: dict = field(default_factory=dict)  # extras; bench.core.verify reads meta[WITHOUT_REPLACEMENT]
     # Optional extra branch run in the same target pass but never accepted (Lookahead's
     # Jacobi window): tokens, positions relative to the root's, and a mask [m, n+1+m] over
-    # the whole block ([root, drafts..., extras...]). Their logits reach Drafter.accept;
+    # the whole block ([root, drafts..., extras...]). Their logits reach Drafter.learn;
     # their KV is dropped by the commit.
     extra_tokens: list[int] = field(default_factory=list)
     extra_positions: list[int] = field(default_factory=list)

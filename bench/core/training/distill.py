@@ -18,12 +18,11 @@ queued as soon as its previous reply exists), so batches stay full.
 
 Prompts that share a 13-word sequence with an evaluation question (MT-bench, HumanEval,
 GSM8K, Spec-Bench), or contain a short evaluation question whole, are dropped before the
-order is fixed; the counts per suite are kept in index.json.
+order is fixed; the counts per suite are kept in index.json. `bench distill` runs it.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -36,11 +35,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.errors import BenchError
+from bench.core.errors import BenchError
+from bench.core.target import chat_prompt, resolve_dtype
 
 FORMAT = "spec-bench-distill/1"
 NGRAM = 13  # word n-gram of the overlap test (the GPT-3 contamination analysis uses 13)
-EVAL_SUITES = ("mtbench", "humaneval", "gsm8k", "specbench")
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class DistillSettings:
     max_context: int = 2048  # prompt + reply; a turn whose prompt leaves less than max_reply ends the conversation
     shard_conversations: int = 128
     seed: int = 0  # order of the conversations
-    dtype: str = "auto"  # bf16 where the CPU has native bf16 matmul (or on CUDA), else fp32
+    dtype: str = "auto"  # bench.core.target.resolve_dtype: bf16 where native, else fp32
 
     def key(self, dtype: str) -> str:
         text = json.dumps({**asdict(self), "dtype": dtype}, sort_keys=True)
@@ -68,13 +67,6 @@ def ngrams(tokens: list[str], n: int = NGRAM) -> set[tuple[str, ...]]:
     return {tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)}
 
 
-def eval_texts(data_dir=None) -> dict[str, list[str]]:
-    """Every question text of the evaluation suites (all turns), by suite."""
-    from tasks import load_task
-
-    return {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in EVAL_SUITES}
-
-
 class OverlapFilter:
     """Flags text that shares a 13-word sequence with an evaluation question, or contains
     a whole evaluation question shorter than that."""
@@ -82,6 +74,7 @@ class OverlapFilter:
     def __init__(self, suites: dict[str, list[str]]) -> None:
         self.grams: dict[tuple[str, ...], str] = {}
         self.short: list[tuple[str, str]] = []  # (joined words, suite)
+        self.suites = tuple(suites)
         for suite, texts in suites.items():
             for text in texts:
                 tokens = words(text)
@@ -110,10 +103,10 @@ def usable_conversations(seed: int, overlap: OverlapFilter | None, path: Path | 
                          ) -> tuple[list[dict], dict]:
     """ShareGPT conversations as {'id', 'users': [user texts]} in a seeded order, without
     those overlapping an evaluation set; and the filter's report."""
-    from bench.training.data import read_sharegpt
+    from bench.core.training.data import read_sharegpt
 
     conversations = read_sharegpt(path)
-    kept, dropped = [], {suite: 0 for suite in EVAL_SUITES}
+    kept, dropped = [], dict.fromkeys(overlap.suites if overlap else (), 0)
     for number, messages in enumerate(conversations):
         users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
         if not users:
@@ -130,30 +123,6 @@ def usable_conversations(seed: int, overlap: OverlapFilter | None, path: Path | 
 
 
 # ------------------------------------------------------------------ generation
-def native_bf16(device: str) -> bool:
-    """bf16 matmul runs natively: CUDA, or a CPU with AMX or AVX512-BF16."""
-    if device.startswith("cuda"):
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    if name == "auto":
-        return "bfloat16" if native_bf16(device) else "float32"
-    return name
-
-
-def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 @dataclass
 class _Conversation:
     index: int
@@ -165,33 +134,84 @@ class _Conversation:
     context: list[int] | None = None  # prompt of the pending (or last) turn
 
 
+def _preallocated_layer(capacity: int):
+    """A transformers cache layer that writes K/V into a buffer sized once per batch
+    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            batch, heads, _, dim = key_states.shape
+            self.device = key_states.device
+            self.keys = key_states.new_zeros(batch, heads, capacity, dim)
+            self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+            self.length = 0
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self.keys[:, :, self.length:end] = key_states
+            self.values[:, :, self.length:end] = value_states
+            self.length = end
+            return self.keys[:, :, :end], self.values[:, :, :end]
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.keys, self.values = self.keys[indices], self.values[indices]
+
+    return PreallocatedLayer
+
+
 class Generator:
-    """Batched greedy replies from the target's transformers model."""
+    """Batched greedy replies from the target's transformers model: left-padded prompts,
+    K/V in preallocated buffers, and rows retired as soon as they end (EOS or length), so
+    a long reply does not make the whole batch run on."""
 
     def __init__(self, folder: Path, device: str, dtype: str, eos: list[int], pad: int,
                  batch_size: int) -> None:
-        from bench.target import load_hf_model
+        from bench.core.target import load_hf_model
 
         self.model = load_hf_model(folder, device, dtype)
         self.eos, self.pad, self.batch_size = eos, pad, batch_size
 
+    @torch.no_grad()
     def replies(self, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], bool]]:
+        from transformers.cache_utils import Cache
+
+        device = self.model.device
         width = max(map(len, prompts))
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
-        with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                      pad_token_id=self.pad, eos_token_id=self.eos)
-        result = []
-        for row in out[:, width:].tolist():
-            reply, finished = [], False
-            for token in row:
-                reply.append(token)
-                if token in self.eos:
-                    finished = True
-                    break
-            result.append((reply, finished))
-        return result
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = Cache(layer_class_to_replicate=_preallocated_layer(width + max_new))
+        eos = torch.tensor(self.eos, device=device)
+        rows = torch.arange(len(prompts), device=device)  # original row of each live row
+        replies: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+        for step in range(max_new):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1]
+            tokens = logits.argmax(-1)
+            for row, token in zip(rows.tolist(), tokens.tolist()):
+                replies[row].append(token)
+            ended = torch.isin(tokens, eos)
+            for row in rows[ended].tolist():
+                finished[row] = True
+            if step + 1 == max_new or bool(ended.all()):
+                break
+            if bool(ended.any()):
+                keep = (~ended).nonzero().flatten()
+                cache.batch_select_indices(keep)
+                rows, tokens, mask, positions = rows[keep], tokens[keep], mask[keep], positions[keep]
+            ids = tokens[:, None]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions[:, -1:] + 1
+        return [(reply, done) for reply, done in zip(replies, finished)]
 
 
 def generate_shard(generator: Generator, tokenizer, items: list[dict], settings: DistillSettings,
@@ -205,7 +225,7 @@ def generate_shard(generator: Generator, tokenizer, items: list[dict], settings:
         if turn >= len(conv.users):
             return False
         messages = conv.messages + [{"role": "user", "content": conv.users[turn]}]
-        context = _template(tokenizer, messages, True)
+        context = chat_prompt(tokenizer, messages, True)
         if len(context) > limit:
             return False
         conv.messages, conv.context = messages, context
@@ -235,7 +255,7 @@ def _row(tokenizer, conv: _Conversation) -> dict:
     tokens = conv.context + conv.replies[-1]
     spans = []
     for k, reply in enumerate(conv.replies[:-1]):  # located by templating the prefix up to its generation prompt
-        start = len(_template(tokenizer, conv.messages[: 2 * k + 1], True))
+        start = len(chat_prompt(tokenizer, conv.messages[: 2 * k + 1], True))
         if tokens[start:start + len(reply)] == reply:
             spans.append([start, start + len(reply)])
     spans.append([len(conv.context), len(tokens)])
@@ -245,7 +265,7 @@ def _row(tokenizer, conv: _Conversation) -> dict:
 
 # ------------------------------------------------------------------ the store
 def distill_dir(target_name: str, settings: DistillSettings, dtype: str) -> Path:
-    from bench.target import cache_dir
+    from bench.core.target import cache_dir
 
     return cache_dir() / "distill" / target_name / settings.key(dtype)
 
@@ -283,10 +303,12 @@ class DistilledData:
                     yield json.loads(line)
 
 
-def distill(target, settings: DistillSettings, shards: range | None = None, min_reply_tokens: int | None = None,
-            batch_size: int = 48, device: str = "cpu", data_dir=None, progress: bool = True) -> DistilledData:
+def distill(target, settings: DistillSettings, eval_questions: dict[str, list[str]], shards: range | None = None,
+            min_reply_tokens: int | None = None, batch_size: int = 48, device: str = "cpu",
+            progress: bool = True) -> DistilledData:
     """Generate (or resume) the distilled shards `shards` (default: all), stopping early
-    once the folder holds `min_reply_tokens` reply tokens."""
+    once the folder holds `min_reply_tokens` reply tokens. `eval_questions`: every
+    evaluation question's text by suite; training prompts overlapping them are dropped."""
     dtype = resolve_dtype(settings.dtype, device)
     folder = distill_dir(target.name, settings, dtype)
     folder.mkdir(parents=True, exist_ok=True)
@@ -295,7 +317,7 @@ def distill(target, settings: DistillSettings, shards: range | None = None, min_
     if index is not None and index.get("target_fingerprint") != target.fingerprint:
         raise BenchError(f"distilled data {folder} came from other target weights: delete it or use another cache")
     t0 = time.perf_counter()
-    items, report = usable_conversations(settings.seed, OverlapFilter(eval_texts(data_dir)))
+    items, report = usable_conversations(settings.seed, OverlapFilter(eval_questions))
     for number, item in enumerate(items):
         item["index"] = number
     if index is None:
@@ -345,46 +367,3 @@ def distill(target, settings: DistillSettings, shards: range | None = None, min_
         bar.set_postfix(shard=k, tok_s=entry["reply_tok_per_s"])
     bar.close()
     return DistilledData(folder)
-
-
-def _shard_range(text: str | None) -> range | None:
-    if not text:
-        return None
-    try:
-        a, b = text.split(":")
-        return range(int(a or 0), int(b))
-    except ValueError:
-        raise BenchError(f"--shards takes a:b (shard numbers), not '{text}'") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch-size", type=int, default=48)
-    parser.add_argument("--max-reply", type=int, default=512)
-    parser.add_argument("--max-context", type=int, default=2048)
-    parser.add_argument("--shards", default=None, help="a:b, shard numbers to generate (default: all)")
-    parser.add_argument("--tokens", type=float, default=None, help="stop once this many reply tokens exist")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--data-dir", default=None)
-    args = parser.parse_args(argv)
-    from bench.target import load_target
-
-    try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        target = load_target(args.target, device="cpu")
-        settings = DistillSettings(max_reply=args.max_reply, max_context=args.max_context, dtype=args.dtype)
-        data = distill(target, settings, _shard_range(args.shards), int(args.tokens) if args.tokens else None,
-                       args.batch_size, args.device, args.data_dir)
-    except BenchError as exc:
-        print(f"error: {exc}")
-        return 2
-    print(f"{data.folder}: {len(data.shards())} shards, {data.reply_tokens} reply tokens")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,558 @@
+"""Run records -> tables (Markdown, LaTeX, CSV): what `bench report` and `bench.summary` show.
+
+Records are read leniently: a corrupt line, an unfinished last line, a malformed turn, a
+method without its baseline, a run that covers fewer turns than its baseline or than the
+grid planned: each becomes a `Problem` listed in the report, never a silent drop and never
+a crash. Every number is computed by bench.metrics from the kept turn records.
+
+Series and revisions: a record file is `<method>-<tag>.jsonl`. A tag `X.rN` is revision N
+of series X (bench.grid starts one when settings or drafter changed, instead of touching
+finished records); per (task, method) a report shows the newest revision and lists the
+older ones as superseded. A method's speedup is always against the AR baseline of the same
+tag, i.e. the run it was interleaved with. Repeats (`X.rep2`, `X.r2.rep3`: bench.records) of
+the newest revision are pooled, each turn paired within its own repeat, and the tables give
+the speedup's spread over repeats beside its bootstrap interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from bench import metrics
+from bench.core.errors import BenchError
+from bench.records import split_repeat
+
+BASELINE = "ar"
+REQUIRED = ("question_id", "turn", "tokens", "ttft", "decode_time", "draft_time", "verify_time",
+            "proposed_lengths", "accept_lengths", "tree_sizes")
+CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
+REVISION = re.compile(r"^(?P<series>.*)\.r(?P<rev>\d+)$")
+
+
+@dataclass
+class Problem:
+    """Something missing or partial, shown in the report's "missing / partial" section."""
+    kind: str
+    where: str
+    detail: str
+
+
+@dataclass
+class RunFile:
+    """One record file as read (lenient)."""
+    path: Path
+    target: str
+    task: str
+    method: str
+    tag: str  # "" when untagged
+    series: str
+    revision: int
+    repeat: int  # 1, or k for a file of tag `<tag>.rep<k>`
+    headers: list[dict]
+    turns: list[dict]  # valid turn records, question_id prefixed with the task (see _key)
+
+    @property
+    def settings(self) -> dict:
+        return self.headers[0].get("settings", {}) if self.headers else {}
+
+
+@dataclass
+class Records:
+    runs: list[RunFile]  # the newest revision per (target, task, method, series)
+    problems: list[Problem] = field(default_factory=list)
+    profiles: list[dict] = field(default_factory=list)
+    manifests: list[dict] = field(default_factory=list)
+    superseded: list[RunFile] = field(default_factory=list)
+
+    def turns_frame(self) -> pd.DataFrame:
+        """One row per turn of the runs in the tables (tables/turns.csv): the raw numbers
+        behind every pooled figure, for whoever wants other statistics."""
+        rows = []
+        for run in self.runs:
+            for record in run.turns:
+                util = record.get("utilization") or {}
+                rounds = len(record["accept_lengths"])
+                rows.append({"target": run.target, "task": run.task, "tag": run.tag, "method": run.method,
+                             "repeat": run.repeat, "question_id": record["question_id"].split("/", 1)[1],
+                             "category": record.get("category", ""), "turn": record["turn"],
+                             "tokens": len(record["tokens"]), "ttft_s": record["ttft"],
+                             "decode_s": record["decode_time"], "draft_s": record["draft_time"],
+                             "verify_s": record["verify_time"], "rounds": rounds,
+                             "tau": (sum(record["accept_lengths"]) + rounds) / rounds if rounds else math.nan,
+                             "exact_match": record.get("exact_match"), "near_tie": record.get("near_tie"),
+                             "util_kind": util.get("kind"), "util_mean": util.get("util_mean")})
+        return pd.DataFrame(rows)
+
+
+def split_tag(tag: str) -> tuple[str, int]:
+    match = REVISION.match(tag)
+    return (match["series"], int(match["rev"])) if match else (tag, 1)
+
+
+def read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list[dict]]:
+    """(headers, turns); bad lines become problems instead of errors."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(Problem("unreadable", str(path), str(getattr(exc, "strerror", None) or exc)))
+        return [], []
+    pieces = text.split("\n")
+    if pieces[-1].strip():
+        problems.append(Problem("unfinished", str(path), "last line has no newline (a run still writing, or "
+                                "one cut by a crash); that record is left out"))
+    headers, turns = [], []
+    threads = None  # torch threads of the invocation (header) a turn was recorded under
+    for number, line in enumerate(pieces[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(Problem("corrupt", f"{path}:{number}", f"not JSON ({exc.msg}); line left out"))
+            continue
+        if not isinstance(record, dict):
+            problems.append(Problem("corrupt", f"{path}:{number}", "not a JSON object; line left out"))
+        elif record.get("type") == "header":
+            headers.append(record)
+            threads = (record.get("provenance") or {}).get("torch_threads")
+        elif record.get("type") == "turn":
+            missing = [k for k in REQUIRED if k not in record]
+            if missing:
+                problems.append(Problem("malformed turn", f"{path}:{number}",
+                                        f"missing {', '.join(missing)}; turn left out"))
+            else:
+                turns.append({**record, "_threads": threads})
+        else:
+            problems.append(Problem("corrupt", f"{path}:{number}", "neither a header nor a turn; line left out"))
+    return headers, turns
+
+
+def _key(task: str, repeat: int, record: dict) -> dict:
+    """Question ids repeat across suites (gsm8k and specbench both count from 1): prefix the
+    task so turns pooled over tasks still pair with their own baseline turn; the repeat comes
+    from the file (bench.metrics pairs on it)."""
+    return {**record, "question_id": f"{task}/{record['question_id']}", "repeat": repeat}
+
+
+def _read_run(path: Path, target: str, task: str, problems: list[Problem]) -> RunFile | None:
+    headers, turns = read_lenient(path, problems)
+    stem = path.stem
+    method = (headers[0].get("settings", {}).get("method") if headers else None) or stem.split("-", 1)[0]
+    if stem != method and not stem.startswith(method + "-"):
+        method = stem.split("-", 1)[0]
+    tag = stem[len(method) + 1:]
+    if not headers:
+        problems.append(Problem("no header", str(path), "no settings or provenance recorded; file left out"))
+        return None
+    first = headers[0].get("settings")
+    others = [i for i, h in enumerate(headers[1:], start=2) if h.get("settings") != first]
+    if others:  # RunFile refuses this; a hand-edited file could still hold it
+        problems.append(Problem("mixed settings", str(path), f"headers {others} differ from the first; "
+                                "numbers pool runs of different settings"))
+    revision_tag, repeat = split_repeat(tag)
+    series, revision = split_tag(revision_tag)
+    return RunFile(path, target, task, method, tag, series, revision, repeat, headers,
+                   [_key(task, repeat, t) for t in turns])
+
+
+def _selected(value: str, wanted: tuple[str, ...] | None) -> bool:
+    return not wanted or value in wanted
+
+
+def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, tasks: tuple[str, ...] | None = None,
+                 methods: tuple[str, ...] | None = None, tags: tuple[str, ...] | None = None) -> Records:
+    """Read every record file under results/<target>/<task>/ that the filters select.
+    `tags` select series: "grid" also takes its revisions grid.r2, grid.r3 ..."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise BenchError(f"results folder not found: {results_dir}")
+    problems: list[Problem] = []
+    found: dict[tuple[str, str, str, str], list[RunFile]] = {}
+    target_dirs = [d for d in sorted(results_dir.iterdir()) if _selected(d.name, targets) and _is_target_dir(d)]
+    if targets:
+        for name in set(targets) - {d.name for d in target_dirs}:
+            problems.append(Problem("missing", str(results_dir / name), "no records for this target"))
+    profiles, manifests, seen = [], [], 0
+    for target_dir in target_dirs:
+        profiles += _read_profiles(target_dir, problems)
+        manifests += _read_manifests(target_dir, tags, problems)
+        for task_dir in sorted(d for d in target_dir.iterdir() if d.is_dir()):
+            if not _selected(task_dir.name, tasks):
+                continue
+            for path in sorted(task_dir.glob("*.jsonl")):
+                run = _read_run(path, target_dir.name, task_dir.name, problems)
+                method, _, tag = path.stem.partition("-")  # a file without a header still counts as seen
+                method, tag = (run.method, run.tag) if run else (method, tag)
+                if not _selected(method, methods) or not _selected(split_tag(split_repeat(tag)[0])[0], tags):
+                    continue
+                seen += 1
+                if run is not None:
+                    found.setdefault((run.target, run.task, run.method, run.series), []).append(run)
+    runs, superseded = [], []
+    for revisions in found.values():
+        revisions.sort(key=lambda r: (r.revision, r.repeat))
+        newest = next((r for r in reversed(revisions) if r.turns), revisions[-1]).revision
+        kept = [r for r in revisions if r.revision == newest]  # with all of its repeats
+        runs += kept
+        for old in revisions:
+            if old.revision != newest:
+                superseded.append(old)
+                problems.append(Problem("superseded", str(old.path), "an older revision of the series (other "
+                                        f"settings); the tables use {kept[0].path.name}"))
+    runs.sort(key=lambda r: (r.target, r.task, r.series, r.method != BASELINE, r.method, r.repeat))
+    if not seen:
+        where = ", ".join(f"{k} {' '.join(v)}" for k, v in (("target", targets), ("task", tasks),
+                                                           ("method", methods), ("tag", tags)) if v)
+        raise BenchError(f"no run records under {results_dir}" + (f" for {where}" if where else ""))
+    records = Records(runs, problems, profiles, manifests, superseded)
+    _check_coverage(records)
+    _check_contention(records)
+    return records
+
+
+def _is_target_dir(folder: Path) -> bool:
+    """results/<target>/ holds task folders of .jsonl records or a profile (results/gpu/ does not)."""
+    return folder.is_dir() and (any(folder.glob("*/*.jsonl")) or (folder / "profile").is_dir())
+
+
+def _read_profiles(target_dir: Path, problems: list[Problem]) -> list[dict]:
+    """`bench profile` outputs (results/<target>/profile/<device>-<dtype>.json)."""
+    profiles = []
+    for path in sorted((target_dir / "profile").glob("*.json")):
+        try:
+            profile = json.loads(path.read_text(encoding="utf-8"))
+            rows = profile["rows"]
+            if not all({"kind", "k", "median_s"} <= set(row) for row in rows):
+                raise KeyError("rows")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            problems.append(Problem("corrupt", str(path), f"unreadable hardware profile ({type(exc).__name__})"))
+            continue
+        profiles.append({**profile, "path": str(path), "target": profile.get("target", target_dir.name)})
+    if not profiles:
+        problems.append(Problem("missing", str(target_dir / "profile"),
+                                f"no hardware profile: run `bench profile --target {target_dir.name}`"))
+    return profiles
+
+
+def _read_manifests(target_dir: Path, tags: tuple[str, ...] | None, problems: list[Problem]) -> list[dict]:
+    """Grid manifests (bench.grid): what was planned, and which cells could not run."""
+    manifests = []
+    for path in sorted(target_dir.glob("grid-*.json")):
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+            manifest["cells"], manifest["tag"]  # noqa: B018 - both must be there
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            problems.append(Problem("corrupt", str(path), f"unreadable grid manifest ({type(exc).__name__})"))
+            continue
+        if _selected(manifest["tag"], tags):
+            manifests.append({**manifest, "path": str(path), "target": target_dir.name})
+    return manifests
+
+
+def _check_coverage(records: Records) -> None:
+    """Partial runs: fewer turns than the baseline or the grid's plan; second turns missing;
+    methods without a baseline; grid cells that did not run."""
+    by_key = {(r.target, r.task, r.series, r.method, r.repeat): r for r in records.runs}
+    for run in records.runs:
+        where = str(run.path)
+        keys = {(t["question_id"], t["turn"]) for t in run.turns}
+        if not run.turns:
+            records.problems.append(Problem("empty", where, "header only: no finished turn"))
+        if run.method != BASELINE:
+            base = by_key.get((run.target, run.task, run.series, BASELINE, run.repeat))
+            if base is None:
+                records.problems.append(Problem("no baseline", where, f"no {BASELINE}-{run.tag or '(untagged)'} "
+                                                "records beside it: no speedup"))
+            elif base.tag != run.tag:
+                records.problems.append(Problem("no baseline", where, f"its baseline revision {BASELINE}-{run.tag} "
+                                                f"is missing (newest is {base.path.name}): no speedup"))
+            else:
+                base_keys = {(t["question_id"], t["turn"]) for t in base.turns}
+                if base_keys - keys:
+                    records.problems.append(Problem(
+                        "partial", where, f"{len(keys & base_keys)} of the {len(base_keys)} turns its baseline has; "
+                        "speedup over the shared turns only"))
+        first_turns = {q for q, t in keys if t == 1}
+        turn_counts = {q: sum(1 for k in keys if k[0] == q) for q in first_turns}
+        if run.task == "mtbench":
+            halves = sorted(q.split("/", 1)[1] for q, n in turn_counts.items() if n < 2)
+            if halves:
+                records.problems.append(Problem("partial", where, f"MT-bench questions with turn 1 only: "
+                                                f"{', '.join(halves[:10])}" + (" ..." if len(halves) > 10 else "")))
+    for manifest in records.manifests:
+        for cell in manifest["cells"]:
+            status = cell.get("status", "")
+            where = f"{manifest['path']}: {cell.get('method')} on {cell.get('task')}"
+            if status.startswith(("not run", "failed")):
+                records.problems.append(Problem("not run", where, status))
+            run = by_key.get((manifest["target"], cell.get("task"), manifest["tag"], cell.get("method"),
+                              cell.get("repeat", 1)))
+            expected = cell.get("expected_turns")
+            if run is not None and expected and len(run.turns) < expected:
+                records.problems.append(Problem("partial", str(run.path),
+                                                f"{len(run.turns)} of the {expected} turns the grid planned"))
+
+
+# A CPU turn whose process got less than this share of the CPU its threads got elsewhere in
+# the same run shared the cores with another job: its times are slower than the method is.
+CONTENDED_SHARE = 0.85
+
+
+def contended_turns(turns: list[dict]) -> list[dict]:
+    """CPU turns that ran short of CPU. Utilization is process CPU time over wall time, per
+    core; the share a turn should get is the most any turn of the same run got with the same
+    torch threads, or threads/cpus where the record says both (newer records)."""
+    measured = []  # (turn, its utilization %, its torch threads)
+    best: dict[object, float] = {}
+    for turn in turns:
+        util = turn.get("utilization") or {}
+        if util.get("kind") != "cpu" or util.get("util_mean") is None:
+            continue
+        threads = util.get("threads", turn.get("_threads"))
+        expected = 100.0 * min(threads, util["cpus"]) / util["cpus"] if threads and util.get("cpus") else 0.0
+        best[threads] = max(best.get(threads, 0.0), util["util_mean"], expected)
+        measured.append((turn, util["util_mean"], threads))
+    return [turn for turn, share, threads in measured if share < CONTENDED_SHARE * best[threads]]
+
+
+def _check_contention(records: Records) -> None:
+    for run in records.runs:
+        slow = contended_turns(run.turns)
+        if slow:
+            shown = ", ".join(f"{t['question_id'].split('/', 1)[1]}/{t['turn']}" for t in slow[:8])
+            records.problems.append(Problem(
+                "contended", str(run.path), f"{len(slow)} of {len(run.turns)} turns got under "
+                f"{CONTENDED_SHARE:.0%} of the CPU their threads got elsewhere in the run (another job shared the "
+                f"cores): their times, and the speedups that use them, read slow ({shown}"
+                + (" ..." if len(slow) > 8 else "") + ")"))
+
+
+# ---------------------------------------------------------------- metrics per run / group
+
+
+def _util(turns: list[dict], kind: str) -> float:
+    values = [(t.get("utilization") or {}).get("util_mean") for t in turns
+              if (t.get("utilization") or {}).get("kind") == kind]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _per_round(turns: list[dict], key: str) -> float:
+    rounds = sum(len(t["accept_lengths"]) for t in turns)
+    return sum(t[key] for t in turns) / rounds if rounds else float("nan")
+
+
+def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
+    """bench.metrics.summarize (τ, a_i, speedup with its interval, the speedup model) plus
+    the columns a report adds: draft budget, verify time per round, utilization."""
+    row = metrics.summarize(method, base if base else None)
+    rounds = sum(len(t["tree_sizes"]) for t in method)
+    row.update(questions=len({t["question_id"] for t in method}),
+               tree_size=sum(sum(t["tree_sizes"]) for t in method) / rounds if rounds else float("nan"),
+               verify_s_per_round=_per_round(method, "verify_time"),
+               gpu_util=_util(method, "gpu"), cpu_util=_util(method, "cpu"))
+    return row
+
+
+def _base_for(records: Records, run: RunFile) -> RunFile | None:
+    if run.method == BASELINE:
+        return None
+    return next((r for r in records.runs if (r.target, r.task, r.tag, r.method) ==
+                 (run.target, run.task, run.tag, BASELINE)), None)
+
+
+def summarize(records: Records, by: str = "task") -> pd.DataFrame:
+    """One row per (target, series, method[, task | category]).
+    by: "task" (a row per run), "overall" (turns pooled over tasks), "category"
+    (MT-bench and Spec-Bench split by question category)."""
+    names = {"task": ["target", "series", "task", "method"], "overall": ["target", "series", "method"],
+             "category": ["target", "series", "task", "category", "method"]}[by]
+    groups: dict[tuple, dict] = {}
+    for run in records.runs:
+        if by == "category" and run.task not in CATEGORY_TASKS:
+            continue
+        base = _base_for(records, run)
+        parts = [(c, [t for t in run.turns if t.get("category", "") == c])
+                 for c in sorted({t.get("category", "") for t in run.turns})] if by == "category" else [("", run.turns)]
+        for category, turns in parts:
+            values = {"target": run.target, "series": run.series, "task": run.task, "category": category,
+                      "method": run.method}
+            group = groups.setdefault(tuple(values[n] for n in names), {"method": [], "base": [], "tasks": set()})
+            group["method"] += turns
+            group["tasks"].add(run.task)
+            if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
+                group["base"] += base.turns
+    rows = []
+    for key, group in groups.items():
+        row = dict(zip(names, key))
+        row["tasks"] = ", ".join(sorted(group["tasks"]))
+        row.update(summarize_group(group["method"], group["base"] or None))
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    frame["_order"] = frame["method"].ne(BASELINE)
+    sort = [c for c in names if c != "method"] + ["_order", "method"]
+    return frame.sort_values(sort).drop(columns="_order").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _num(value: float, fmt: str, scale: float = 1.0) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value * scale, fmt)
+
+
+def display_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Human-readable columns for Markdown / LaTeX / HTML; CSV keeps the raw numbers."""
+    if frame.empty:
+        return frame
+    keys = [c for c in ("target", "series") if frame[c].nunique() > 1]  # constant columns say nothing
+    keys += [c for c in ("task", "category") if c in frame]
+    if "task" not in frame and frame["tasks"].nunique() > 1:
+        keys.append("tasks")
+    show_gpu = frame["gpu_util"].notna().any()
+    show_repeats = "speedup_repeats" in frame and any(isinstance(v, list) and len(v) > 1
+                                                       for v in frame["speedup_repeats"])
+    rows = []
+    for _, r in frame.iterrows():
+        row = {("tag" if k == "series" else k): r[k] for k in keys}
+        row["method"] = r["method"]
+        row["turns"] = int(r["turns"])
+        row["τ"] = _num(r["tau"], ".2f")
+        if r["method"] == BASELINE:
+            row["speedup [95% CI]"] = "1 (baseline)"
+        elif isinstance(r.get("speedup_ci"), (tuple, list)) and not math.isnan(r.get("speedup", math.nan)):
+            low, high = r["speedup_ci"]
+            row["speedup [95% CI]"] = f"{r['speedup']:.2f}x [{_num(low, '.2f')}, {_num(high, '.2f')}]"
+        else:
+            row["speedup [95% CI]"] = "- (no baseline)"
+        if show_repeats:
+            row["speedup over repeats"] = _repeat_spread(r.get("speedup_repeats"), r["method"])
+        row["tok/s"] = _num(r["tokens_per_s"], ".1f")
+        row["TTFT ms"] = _num(r["ttft_s"], ".0f", 1e3)
+        row["TPOT ms"] = _num(r["tpot_s"], ".1f", 1e3)
+        if r["method"] == BASELINE:
+            row["exact match"] = "reference"
+        else:
+            match = _num(r["match_rate"], ".0f", 100)
+            row["exact match"] = "-" if match == "-" else (
+                f"{match}%" + (f" ({r['near_ties']} near ties, {r['mismatches']} mismatches)"
+                               if r["near_ties"] or r["mismatches"] else ""))
+        if show_gpu:
+            row["GPU util"] = _num(r["gpu_util"], ".0f") + ("%" if not math.isnan(r["gpu_util"]) else "")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _repeat_spread(values: object, method: str) -> str:
+    """"median [min, max] (n repeats)" of the per-repeat speedups."""
+    if method == BASELINE:
+        return "-"
+    if not isinstance(values, list) or not values:
+        return "- (no baseline)"
+    median, least, most = metrics.spread(values)
+    if len(values) == 1:
+        return f"{_num(median, '.2f')}x (1 pass)"
+    return f"{_num(median, '.2f')}x [{_num(least, '.2f')}, {_num(most, '.2f')}] ({len(values)} passes)"
+
+
+def csv_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Raw numbers: lists (acceptance, histogram) as JSON, the CI as two columns."""
+    out = frame.copy()
+    if out.empty:
+        return out
+    ci = out.pop("speedup_ci") if "speedup_ci" in out else None
+    if ci is not None:
+        out["speedup_ci_low"] = [c[0] if isinstance(c, (tuple, list)) else math.nan for c in ci]
+        out["speedup_ci_high"] = [c[1] if isinstance(c, (tuple, list)) else math.nan for c in ci]
+    for column in ("accept_uncond", "accept_cond", "accept_hist", "speedup_repeats"):
+        if column in out:
+            out[column] = [json.dumps(v) for v in out[column]]
+    return out
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "(no rows)"
+    escape = lambda v: str(v).replace("|", "\\|")  # noqa: E731 - a cell must not end the row
+    lines = ["| " + " | ".join(map(escape, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(map(escape, row)) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def _tex(value: object) -> str:
+    """A cell or header as LaTeX text (one pass, so escapes are not escaped again; τ as math)."""
+    return re.sub(r"[\\&%$#_{}~^]", lambda m: _TEX[m.group()], str(value)).replace("τ", r"$\tau$")
+
+
+def to_latex(table: pd.DataFrame, caption: str) -> str:
+    if table.empty:
+        return f"% {caption}: no rows\n"
+    cells = table.map(_tex).rename(columns=_tex)
+    return cells.to_latex(index=False, escape=False, caption=_tex(caption), column_format="l" * len(table.columns))
+
+
+@dataclass
+class Tables:
+    overall: pd.DataFrame
+    per_task: pd.DataFrame
+    per_category: pd.DataFrame
+
+
+def build_tables(records: Records) -> Tables:
+    return Tables(summarize(records, "overall"), summarize(records, "task"), summarize(records, "category"))
+
+
+def write_tables(tables: Tables, out: Path, records: Records | None = None) -> list[Path]:
+    """tables/{overall,per_task,per_category}.{md,tex,csv}, and tables/turns.csv."""
+    folder = Path(out) / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, frame in (("overall", tables.overall), ("per_task", tables.per_task),
+                        ("per_category", tables.per_category)):
+        shown = display_table(frame)
+        for suffix, text in (("md", to_markdown(shown) + "\n"),
+                             ("tex", to_latex(shown, f"{name.replace('_', ' ')} (bench report)")),
+                             ("csv", csv_table(frame).to_csv(index=False))):
+            path = folder / f"{name}.{suffix}"
+            path.write_text(text, encoding="utf-8")
+            written.append(path)
+    if records is not None:
+        written.append(folder / "turns.csv")
+        records.turns_frame().to_csv(written[-1], index=False)
+    return written
+
+
+# ---------------------------------------------------------------- README
+
+
+def replace_between_markers(text: str, name: str, block: str) -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise BenchError(f"README needs exactly one '{start}' ... '{end}' pair")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block.strip()}\n{end}{tail}"
+
+
+def update_readme(readme: Path, blocks: dict[str, str]) -> None:
+    try:
+        text = Path(readme).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BenchError(f"cannot read {readme}: {exc.strerror}") from None
+    for name, block in blocks.items():
+        text = replace_between_markers(text, name, block)
+    tmp = Path(readme).with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(readme)

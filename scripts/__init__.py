@@ -1,0 +1,1 @@
+"""Scripts outside the harness: GPU checks, comparisons with other implementations, experiments."""
