@@ -3,3 +3,9 @@
 A method builds a Drafter (it proposes a Draft each round and learns from the verified
 round) for bench.core.decode's one loop; the harness finds it through bench.registry.
 """
+
+from pathlib import Path
+
+from bench.core.drafters import add_shipped_root
+
+add_shipped_root(Path(__file__).parent / "checkpoints")  # the drafters shipped for the default target

@@ -11,7 +11,7 @@ from sps_helpers import load_tiny_target, make_tiny_target_folder, noisy_draft, 
 
 from bench.core.decode import DecodeConfig, Drafter, decode
 from bench.core.draft import Draft
-from bench.core.drafters import MANIFEST, find_drafter, shipped_dir
+from bench.core.drafters import MANIFEST, find_drafter, shipped_dirs
 from bench.core.engine import Engine
 from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig, process_logits
@@ -216,9 +216,9 @@ def test_cli_run_with_missing_drafter(tmp_path, tiny_task):
 @pytest.mark.slow
 def test_shipped_drafter_on_real_target(default_target):
     """The shipped SmolLM2 drafter reproduces the baseline and gets drafts accepted."""
-    if not (shipped_dir(default_target.name, "sps") / MANIFEST).exists():
+    if not (shipped_dirs(default_target.name, "sps")[0] / MANIFEST).exists():
         pytest.skip("no shipped sps drafter")
-    decoder = build(default_target, {"drafter": str(shipped_dir(default_target.name, "sps"))})
+    decoder = build(default_target, {"drafter": str(shipped_dirs(default_target.name, "sps")[0])})
     from bench.core.target import chat_prompt
 
     prompt = chat_prompt(default_target.tokenizer, [{"role": "user", "content": "Explain what a list is in Python."}])

@@ -3,7 +3,8 @@
 A drafter for (target, method) is looked up in this order:
   1. an explicit path (`bench run --drafter PATH`),
   2. one trained by the user: $BENCH_CACHE/drafters/<target>/<method>/ (`bench train`),
-  3. one shipped with the project: methods/checkpoints/<target>/<method>/.
+  3. one shipped with the project, under a registered root (the methods package
+     registers its checkpoints/ folder when it is imported): <root>/<target>/<method>/.
 
 A drafter folder holds `drafter.json` (what it is, which target it was trained for,
 how it was trained) next to its weights. Weights the drafter shares with the target
@@ -22,11 +23,18 @@ from bench.core.target import cache_dir
 
 MANIFEST = "drafter.json"
 WEIGHTS = "model.safetensors"
-SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "methods" / "checkpoints"
+SHIPPED_ROOTS: list[Path] = []  # folders of drafters shipped with a package (add_shipped_root)
 
 
-def shipped_dir(target_name: str, method: str) -> Path:
-    return SHIPPED_ROOT / target_name / method
+def add_shipped_root(folder: Path) -> None:
+    """Register a folder of shipped drafters, <folder>/<target>/<method>/ (searched last)."""
+    folder = Path(folder).resolve()
+    if folder not in SHIPPED_ROOTS:
+        SHIPPED_ROOTS.append(folder)
+
+
+def shipped_dirs(target_name: str, method: str) -> list[Path]:
+    return [root / target_name / method for root in SHIPPED_ROOTS]
 
 
 def user_dir(target_name: str, method: str) -> Path:
@@ -42,7 +50,7 @@ def find_drafter(target_name: str, method: str, path: str | Path | None = None) 
         if not ((folder / MANIFEST).exists() or (folder / "config.json").exists()):
             raise BenchError(f"drafter path {folder} has neither {MANIFEST} nor an HF config.json")
         return folder
-    for folder in (user_dir(target_name, method), shipped_dir(target_name, method)):
+    for folder in (user_dir(target_name, method), *shipped_dirs(target_name, method)):
         if (folder / MANIFEST).exists():
             return folder
     raise BenchError(
@@ -78,7 +86,8 @@ def check_tokenizer(target, tokenizer, what: str) -> None:
 def list_drafters() -> list[tuple[str, str, str, Path]]:
     """(target, method, 'shipped' | 'user', folder) for every drafter with a manifest."""
     found = []
-    for kind, root in (("shipped", SHIPPED_ROOT), ("user", cache_dir() / "drafters")):
+    roots = [("shipped", root) for root in SHIPPED_ROOTS] + [("user", cache_dir() / "drafters")]
+    for kind, root in roots:
         for manifest in sorted(root.glob(f"*/*/{MANIFEST}")) if root.exists() else []:
             folder = manifest.parent
             found.append((folder.parent.name, folder.name, kind, folder))
