@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+import methods  # noqa: F401  (importing the package registers its shipped drafters)
 from bench.core.errors import BenchError
 
 
