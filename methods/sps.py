@@ -33,7 +33,7 @@ import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
-from bench.core.drafters import MANIFEST, check_target, check_tokenizer, find_drafter, read_manifest
+from bench.core.drafters import MANIFEST, WEIGHTS, check_tokenizer, find_drafter, open_drafter, read_weights
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
 from bench.core.sampling import process_logits, sample_from
@@ -49,7 +49,6 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
     Our own drafters store only their layers; the target's embedding and lm_head are
     added back (shared tensors, no copy). An HF folder is loaded whole after checking
     its tokenizer and vocabulary size against the target's."""
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.core.target import load_state_dict
@@ -59,19 +58,15 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
     engine = target.engine
     dtype = dtype or engine.dtype
     if (folder / MANIFEST).exists():
-        manifest = read_manifest(folder)
-        check_target(manifest, target, folder)
+        manifest = open_drafter(target, folder, (METHOD,))
         config = config_from_dict(manifest["architecture"])
-        try:
-            state = load_file(str(folder / manifest.get("weights", "model.safetensors")))
-        except Exception as exc:
-            raise BenchError(f"cannot read drafter weights in {folder}: {exc}") from None
+        state = read_weights(folder / manifest.get("weights", WEIGHTS))
         state["model.embed_tokens.weight"] = engine.embed
         if engine.lm_head is not engine.embed:
             state["lm_head.weight"] = engine.lm_head
         info = {"drafter": str(folder), "draft_layers": config.num_hidden_layers,
                 "trained_steps": manifest.get("training", {}).get("steps"),
-                "weights_sha1": _file_sha1(folder / manifest.get("weights", "model.safetensors"))}
+                "weights_sha1": _file_sha1(folder / manifest.get("weights", WEIGHTS))}
     else:
         config = AutoConfig.from_pretrained(folder)
         try:

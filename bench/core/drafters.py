@@ -65,6 +65,53 @@ def read_manifest(folder: Path) -> dict:
         raise BenchError(f"unreadable drafter manifest in {folder}: {exc}") from None
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A weights file: safetensors, or a torch pickle (.bin, .pt) read with weights_only."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise BenchError(f"corrupt or missing drafter weights {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise BenchError(f"drafter weights {path} are not a state dict")
+    return state
+
+
+def open_drafter(target, folder: Path, methods: tuple[str, ...]) -> dict:
+    """The manifest of our drafter in `folder`, checked to be made for one of `methods`
+    and for `target`'s weights; a one-line BenchError otherwise."""
+    manifest = read_manifest(folder)
+    made_for = manifest.get("method")
+    if made_for not in methods:
+        raise BenchError(f"drafter {folder} is a '{made_for}' drafter, not {' or '.join(methods)}")
+    check_target(manifest, target, folder)
+    return manifest
+
+
+def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path,
+                      parameters_only: bool = False) -> None:
+    """Every weight of `model` (or every parameter) from `state`, cast to the model's dtype;
+    a missing or misshapen weight is a one-line BenchError naming it."""
+    expected = dict(model.named_parameters()) if parameters_only else model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise BenchError(f"drafter {folder} lacks weight '{missing[0]}'")
+    extra = sorted(set(state) - set(expected))
+    if extra and not parameters_only:
+        raise BenchError(f"drafter {folder} has a weight its architecture does not: '{extra[0]}'")
+    with torch.no_grad():
+        for name, current in expected.items():
+            if tuple(state[name].shape) != tuple(current.shape):
+                raise BenchError(f"drafter weight {name} in {folder} has shape {tuple(state[name].shape)}, "
+                                 f"its architecture says {tuple(current.shape)}")
+            current.copy_(state[name].to(current.dtype))
+
+
 def check_target(manifest: dict, target, folder: Path) -> None:
     """Refuse a drafter trained for other target weights or another vocabulary."""
     trained_for = manifest.get("target", {})

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.core.decode import LoopDecoder
-from bench.core.drafters import check_target, drafter_info, find_drafter, read_manifest
+from bench.core.drafters import WEIGHTS, drafter_info, find_drafter, load_weights_into, open_drafter, read_weights
 from bench.core.errors import BenchError
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 from methods.dflash.model import BlockConfig, BlockDraftModel
@@ -30,28 +30,14 @@ METHOD = "dflash"
 
 def load_model(target, method: str, options: dict) -> tuple[BlockDraftModel, dict]:
     """The block drafter for `target` from options["drafter"], the user's cache or the shipped folder."""
-    from safetensors.torch import load_file
-
     folder = Path(find_drafter(target.name, method, options.get("drafter")))
-    manifest = read_manifest(folder)
-    check_target(manifest, target, folder)
+    manifest = open_drafter(target, folder, (METHOD, "dspark"))  # dspark's backbone is a dflash drafter
     try:
         config = BlockConfig(**manifest["architecture"])
     except (KeyError, TypeError) as exc:
         raise BenchError(f"drafter {folder} is not a block drafter ({exc})") from None
     model = BlockDraftModel(config)
-    try:
-        state = load_file(str(folder / manifest.get("weights", "model.safetensors")))
-    except Exception as exc:
-        raise BenchError(f"corrupt or missing drafter weights in {folder}: {exc}") from None
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise BenchError(f"drafter {folder} lacks weight '{missing[0]}'")
-    try:
-        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
-    except RuntimeError as exc:
-        raise BenchError(f"drafter {folder} does not fit its architecture: {str(exc).splitlines()[0]}") from None
+    load_weights_into(model, read_weights(folder / manifest.get("weights", WEIGHTS)), folder)
     dtype = getattr(torch, str(options.get("dtype", "bfloat16")), None)
     if not isinstance(dtype, torch.dtype):
         raise BenchError(f"unknown dtype '{options.get('dtype')}'")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.core.decode import LoopDecoder
-from bench.core.drafters import check_target, drafter_info, find_drafter, read_manifest
+from bench.core.drafters import WEIGHTS, drafter_info, find_drafter, load_weights_into, open_drafter, read_weights
 from bench.core.errors import BenchError
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead
@@ -43,31 +43,17 @@ def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead,
         head, manifest = load_published(target, Path(folder), kind)
         manifest = dict(manifest, info=drafter_info(folder, manifest))
         return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
-    manifest = read_manifest(folder)
-    check_target(manifest, target, folder)
+    manifest = open_drafter(target, Path(folder), ("eagle", "eagle3"))
     architecture = manifest.get("architecture", {})
     if architecture.get("kind") != kind:
         raise BenchError(f"drafter {folder} is a {architecture.get('kind')} head, not {kind}")
-    head = EagleHead(EagleConfig(**architecture))
-    state = _load_weights(Path(folder) / manifest.get("weights", "model.safetensors"))
-    missing = sorted(set(head.state_dict()) - set(state))
-    if missing:
-        raise BenchError(f"drafter {folder} lacks weight '{missing[0]}'")
     try:
-        head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
-    except RuntimeError as exc:
-        raise BenchError(f"drafter {folder} does not fit its architecture: {str(exc).splitlines()[0]}") from None
+        head = EagleHead(EagleConfig(**architecture))
+    except TypeError as exc:
+        raise BenchError(f"drafter {folder} is not an EAGLE head ({exc})") from None
+    load_weights_into(head, read_weights(Path(folder) / manifest.get("weights", WEIGHTS)), folder)
     manifest = dict(manifest, info=drafter_info(folder, manifest))
     return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
-
-
-def _load_weights(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as exc:
-        raise BenchError(f"corrupt or missing drafter weights {path}: {exc}") from None
 
 
 def parse_paths(text: str) -> tuple[tuple[int, ...], ...]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.core.drafters import MANIFEST
+from bench.core.drafters import MANIFEST, read_weights
 from bench.core.errors import BenchError
 from methods.eagle.model import EagleConfig, EagleHead
 
@@ -34,17 +34,8 @@ def is_published(folder: Path) -> bool:
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
-        path = folder / name
-        if not path.exists():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise BenchError(f"corrupt EAGLE weights {path}: {exc}") from None
+        if (folder / name).exists():
+            return read_weights(folder / name)
     raise BenchError(f"EAGLE folder {folder} has no {' or '.join(WEIGHT_FILES)}")
 
 

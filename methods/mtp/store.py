@@ -12,10 +12,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from bench.core.drafters import WEIGHTS, check_target, find_drafter, read_manifest
+from bench.core.drafters import WEIGHTS, find_drafter, load_weights_into, open_drafter, read_weights
 from bench.core.errors import BenchError
 from methods.mtp.model import VARIANTS, LayerShape, new_model
 
@@ -47,12 +46,7 @@ def find_folder(target: Target, variant: str | None, path: str | None) -> Path:
 def load_model(target: Target, folder: Path, variant: str | None = None) -> tuple[nn.Module, dict]:
     """The trained module in `folder` (fp32, frozen) and its manifest; one-line BenchErrors
     for another method or variant, another target, a shape mismatch or unreadable weights."""
-    from safetensors.torch import load_file
-
-    manifest = read_manifest(folder)
-    if manifest.get("method") != METHOD:
-        raise BenchError(f"drafter {folder} is a '{manifest.get('method')}' drafter, not mtp")
-    check_target(manifest, target, folder)
+    manifest = open_drafter(target, folder, (METHOD,))
     saved = manifest.get("variant")
     if saved not in VARIANTS:
         raise BenchError(f"drafter {folder} has unknown mtp variant '{saved}'")
@@ -72,19 +66,6 @@ def load_model(target: Target, folder: Path, variant: str | None = None) -> tupl
     except (TypeError, ValueError):
         raise BenchError(f"drafter {folder} has a bad head count: {architecture.get('heads')}") from None
     model = new_model(saved, shape, heads)
-    try:
-        weights = load_file(str(folder / manifest.get("weights", WEIGHTS)))
-    except Exception as exc:
-        raise BenchError(f"cannot read drafter weights in {folder}: {str(exc).splitlines()[0]}") from None
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(weights))
-    if missing:
-        raise BenchError(f"drafter weights in {folder} lack {missing[0]}")
-    with torch.no_grad():
-        for name, param in params.items():
-            if tuple(weights[name].shape) != tuple(param.shape):
-                raise BenchError(f"drafter weight {name} in {folder} has shape {tuple(weights[name].shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(weights[name].float())
+    load_weights_into(model, read_weights(folder / manifest.get("weights", WEIGHTS)), folder, parameters_only=True)
     model.requires_grad_(False)
     return model, manifest
