@@ -37,7 +37,8 @@ class ForwardOutput:
 
 
 class KVCache:
-    """Preallocated K/V for every layer; grows by doubling when a forward needs room."""
+    """Preallocated K/V for every layer (batch 1); grows by doubling when a forward needs
+    room. The target's cache, and the drafters' caches of their own layers."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -59,6 +60,19 @@ class KVCache:
             grown = old.new_zeros(old.shape[:3] + (new_capacity, old.shape[4]))
             grown[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, grown)
+
+    def append(self, kv: list[tuple[Tensor, Tensor]]) -> None:
+        """Write n new rows after the filled slots: one (k, v) [1, heads, n, head_dim] per layer."""
+        n = kv[0][0].shape[-2]
+        self.reserve(self.length + n)
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer, :, :, self.length: self.length + n] = k
+            self.v[layer, :, :, self.length: self.length + n] = v
+        self.length += n
+
+    def view(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The filled K/V [1, heads, length, head_dim] of one layer."""
+        return self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]
 
     def crop(self, length: int) -> None:
         """Roll back to `length` filled slots (chain commit / rejection rollback)."""

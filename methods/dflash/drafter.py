@@ -37,7 +37,7 @@ from torch import Tensor
 
 from bench.core.decode import DecodeState, Drafter
 from bench.core.draft import Draft
-from bench.core.engine import ForwardOutput
+from bench.core.engine import ForwardOutput, KVCache
 from bench.core.sampling import process_logits, sample_from
 from bench.core.verify import Verdict
 from methods.dflash.model import BlockDraftModel
@@ -50,32 +50,6 @@ class BlockSettings:
     budget: int = 16  # tree: draft nodes
     schedule: str = "throughput"  # scheduled: "throughput" | "threshold" | "none"
     threshold: float = 0.5  # scheduled/threshold: cut at the first c_i below this
-
-
-class ContextKV:
-    """Per-layer keys/values of the committed context (batch 1), grown by doubling."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.k = [torch.zeros(1, kv_heads, 256, head_dim, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros_like(k) for k in self.k]
-        self.length = 0
-
-    def append(self, kv: list[tuple[Tensor, Tensor]]) -> None:
-        n = kv[0][0].shape[-2]
-        if self.length + n > self.k[0].shape[-2]:
-            grow = max(self.length + n, 2 * self.k[0].shape[-2])
-            for store in (self.k, self.v):
-                for i, old in enumerate(store):
-                    new = old.new_zeros(old.shape[:2] + (grow, old.shape[3]))
-                    new[:, :, : self.length] = old[:, :, : self.length]
-                    store[i] = new
-        for i, (k, v) in enumerate(kv):
-            self.k[i][:, :, self.length: self.length + n] = k
-            self.v[i][:, :, self.length: self.length + n] = v
-        self.length += n
-
-    def view(self) -> list[tuple[Tensor, Tensor]]:
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.k, self.v)]
 
 
 def ddtree(log_probs: Tensor, budget: int) -> tuple[list[int], list[int], list[int]]:
@@ -155,9 +129,10 @@ class BlockDrafter(Drafter):
         self.cache = self._new_cache()
         self.pending: list[Tensor] = []
 
-    def _new_cache(self) -> ContextKV:
+    def _new_cache(self) -> KVCache:
+        """K/V of the committed context in every drafter layer (the block's own rows are never kept)."""
         c = self.model.config
-        return ContextKV(c.num_layers, c.num_kv_heads, c.head_dim, self.embed.device, self.dtype)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 256, self.dtype, self.embed.device)
 
     # ------------------------------------------------------------ context
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
@@ -183,7 +158,8 @@ class BlockDrafter(Drafter):
         start = self.cache.length  # the root's position
         x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed, slots)
         positions = torch.arange(start, start + slots, device=self.embed.device)[None]
-        return self.model.forward_block(x, positions, self.cache.view())[0]
+        views = [self.cache.view(layer) for layer in range(self.model.config.num_layers)]
+        return self.model.forward_block(x, positions, views)[0]
 
     # -------------------------------------------------------------- draft
     def propose(self, state: DecodeState) -> Draft:

@@ -131,7 +131,7 @@ class EagleDrafter(Drafter):
 
     def _extend_context(self) -> Tensor:
         """Run the pending committed rows; returns the output of the last one."""
-        self.cache.length = self.context_rows  # drop last round's tree rows
+        self.cache.crop(self.context_rows)  # drop last round's tree rows
         features, tokens = self.pending
         embeds = self._embed(tokens)
         with torch.inference_mode():
@@ -167,11 +167,9 @@ class EagleDrafter(Drafter):
         """head.step with a mask over every cache row (tree levels see their ancestors)."""
         head = self.head
         q, k, v = head.qkv(hidden[None], embeds[None], positions)
-        self.cache.append(k, v)
-        total = self.cache.length
-        attn = F.scaled_dot_product_attention(q, self.cache.k[:, :, :total], self.cache.v[:, :, :total],
-                                              attn_mask=visible, scale=head.config.head_dim ** -0.5,
-                                              enable_gqa=True)
+        self.cache.append([(k, v)])
+        attn = F.scaled_dot_product_attention(q, *self.cache.view(0), attn_mask=visible,
+                                              scale=head.config.head_dim ** -0.5, enable_gqa=True)
         return head.finish(hidden[None], attn)[0]
 
     def propose(self, state: DecodeState) -> Draft:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.core.engine import rms_norm, rotate_half
+from bench.core.engine import KVCache, rms_norm, rotate_half
 
 
 @dataclass
@@ -66,28 +66,6 @@ def rope_theta(config) -> float:
     if value is None:
         value = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return float(value)
-
-
-class DraftKV:
-    """The head's own KV cache (one layer, batch 1): context rows first, then any tree rows."""
-
-    def __init__(self, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.k = torch.zeros(1, kv_heads, 256, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def append(self, k: Tensor, v: Tensor) -> None:
-        n = k.shape[2]
-        if self.length + n > self.k.shape[2]:
-            grow = max(self.length + n, 2 * self.k.shape[2])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_zeros(old.shape[:2] + (grow, old.shape[3]))
-                new[:, :, : self.length] = old[:, :, : self.length]
-                setattr(self, name, new)
-        self.k[:, :, self.length: self.length + n] = k
-        self.v[:, :, self.length: self.length + n] = v
-        self.length += n
 
 
 class EagleHead(nn.Module):
@@ -169,12 +147,13 @@ class EagleHead(nn.Module):
         return F.linear(out, target_lm_head)
 
     # --------------------------------------------------------- decode time
-    def new_cache(self) -> DraftKV:
+    def new_cache(self) -> KVCache:
+        """The head's own KV cache (one layer): context rows first, then any tree rows."""
         weight = self.q_proj.weight
-        return DraftKV(self.config.num_kv_heads, self.config.head_dim, weight.device, weight.dtype)
+        return KVCache(1, self.config.num_kv_heads, self.config.head_dim, 256, weight.dtype, weight.device)
 
     @torch.inference_mode()
-    def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, cache: DraftKV,
+    def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, cache: KVCache,
              mask: Tensor | None = None) -> Tensor:
         """Run n rows at `positions`, appending their K/V to `cache`. Each row sees every
         earlier cache row plus, within the block, what `mask` [n, n] allows (causal if None).
@@ -182,12 +161,12 @@ class EagleHead(nn.Module):
         n = hidden.shape[0]
         q, k, v = self.qkv(hidden[None], embeds[None], positions)
         start = cache.length
-        cache.append(k, v)
+        cache.append([(k, v)])
         total = cache.length
         block = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
         full = torch.ones(n, total, dtype=torch.bool, device=hidden.device)
         full[:, start:] = block
-        attn = F.scaled_dot_product_attention(q, cache.k[:, :, :total], cache.v[:, :, :total], attn_mask=full,
+        attn = F.scaled_dot_product_attention(q, *cache.view(0), attn_mask=full,
                                               scale=1 / math.sqrt(self.config.head_dim), enable_gqa=True)
         return self.finish(hidden[None], attn)[0]
 
