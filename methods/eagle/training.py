@@ -20,7 +20,6 @@ Only positions whose predicted token belongs to an assistant reply are scored.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -374,7 +373,3 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
                          on_checkpoint=export)
     summary["drafter"] = str(out_dir)
     return summary
-
-
-def steps_per_epoch(batches: FeatureBatches) -> int:
-    return math.ceil(len(batches.train_spans) / batches.batch_size)
