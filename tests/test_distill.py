@@ -1,0 +1,101 @@
+"""Self-distilled training data (bench.core.training.distill): the overlap filter, the
+target's own greedy replies turn by turn, reply spans, shards and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.core.training import distill as distill_module
+from bench.core.training.distill import DistillSettings, OverlapFilter, distill, usable_conversations
+
+GSM8K_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                  "How many clips did Natalia sell altogether in April and May?")
+EVAL = {"gsm8k": [GSM8K_QUESTION], "mtbench": ["Compose an engaging travel blog post about Hawaii."]}
+
+
+def _sharegpt(path: Path, conversations: list[list[str]]) -> Path:
+    """A ShareGPT-format file: user turns with placeholder assistant turns (regenerated anyway)."""
+    entries = [{"id": str(i), "conversations": [m for text in turns for m in
+                                                ({"from": "human", "value": text}, {"from": "gpt", "value": "x"})]}
+               for i, turns in enumerate(conversations)]
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return path
+
+
+def test_overlap_filter_flags_shared_13_grams_and_whole_short_questions(tmp_path):
+    overlap = OverlapFilter(EVAL)
+    assert overlap.suite_of("Please solve: " + GSM8K_QUESTION.lower().replace(",", "")) == "gsm8k"
+    # 13 consecutive words of the question are enough; 12 are not.
+    words = GSM8K_QUESTION.split()
+    assert overlap.suite_of("x " + " ".join(words[3:16]) + " y") == "gsm8k"
+    assert overlap.suite_of("x " + " ".join(words[3:15]) + " y") is None
+    assert overlap.suite_of("Can you compose an engaging travel blog post about Hawaii, please?") == "mtbench"
+    assert overlap.suite_of("Compose an engaging travel blog post about Peru.") is None
+    path = _sharegpt(tmp_path / "sg.json", [["Hi there"], [GSM8K_QUESTION], ["Tell me a joke", "Another"]])
+    kept, report = usable_conversations(0, overlap, path)
+    assert report["dropped_for_overlap"] == {"gsm8k": 1, "mtbench": 0}
+    assert report["usable"] == len(kept) == 2 and sorted(len(c["users"]) for c in kept) == [1, 2]
+
+
+@pytest.fixture
+def tiny_distill(tmp_path, monkeypatch, default_target):
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    path = _sharegpt(tmp_path / "sg.json", [["Say hi.", "Now say bye."], ["What is 2+2?"], ["Name a color."],
+                                            [GSM8K_QUESTION]])
+    settings = DistillSettings(max_reply=24, max_context=400, shard_conversations=2, dtype="float32",
+                               data_path=str(path))
+    return settings
+
+
+def test_replies_are_the_targets_greedy_tokens_turn_by_turn(tiny_distill, default_target, hf_model):
+    torch.manual_seed(0)
+    data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
+    assert data.index["prompts"]["dropped_for_overlap"]["gsm8k"] == 1
+    assert [s["shard"] for s in data.shards()] == [0, 1]  # 3 usable conversations, 2 per shard
+    rows = list(data.rows())
+    assert len(rows) == 3 and data.reply_tokens == sum(t["reply_tokens"] for r in rows for t in r["turns"])
+    two_turns = [r for r in rows if len(r["turns"]) == 2]
+    assert two_turns, "the first reply ended with EOS, so the second user turn is asked"
+    eos = set(default_target.eos_token_ids)
+    for row in rows:
+        assert len(row["reply_spans"]) == len(row["turns"])  # every reply found again in the sequence
+        for (start, end), turn in zip(row["reply_spans"], row["turns"]):
+            assert end - start == turn["reply_tokens"]
+            context = torch.tensor([row["tokens"][:start]])
+            expected = hf_model.generate(input_ids=context, attention_mask=torch.ones_like(context),
+                                         max_new_tokens=end - start, do_sample=False,
+                                         pad_token_id=default_target.eos_token_ids[0])[0, start:].tolist()
+            assert row["tokens"][start:end] == expected
+            assert turn["finished"] == (row["tokens"][end - 1] in eos)
+
+
+def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_target, monkeypatch):
+    data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
+    first = (data.folder / "shard_00000.jsonl").read_text()
+    (data.folder / "shard_00001.jsonl").unlink()  # killed while writing shard 1 (it is written by rename)
+    calls = []
+    original = distill_module.generate_shard
+
+    def counting(generator, tokenizer, items, settings, bar=None):
+        calls.append([item["index"] for item in items])
+        return original(generator, tokenizer, items, settings, bar)
+
+    monkeypatch.setattr(distill_module, "generate_shard", counting)
+    again = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
+    assert calls == [[2]]  # only shard 1's one conversation
+    assert (again.folder / "shard_00000.jsonl").read_text() == first
+    assert [s["shard"] for s in again.shards()] == [0, 1]
+    log = [json.loads(line) for line in (again.folder / "log.jsonl").read_text().splitlines()]
+    assert [entry["shard"] for entry in log] == [0, 1, 1] and all(e["reply_tok_per_s"] > 0 for e in log)
+    calls.clear()
+    distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
+    assert calls == []  # all done: nothing generated
+
+
+def test_distill_stops_once_enough_reply_tokens_exist(tiny_distill, default_target):
+    data = distill(default_target, tiny_distill, EVAL, min_reply_tokens=1, batch_size=4, progress=False)
+    assert [s["shard"] for s in data.shards()] == [0]
