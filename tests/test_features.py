@@ -60,14 +60,34 @@ def test_other_target_weights_are_refused(default_target, cache):
         FeatureStore(folder)
 
 
-def test_self_distilled_replies_come_from_the_target(default_target, cache, one_thread):
-    data = FeatureData(max_tokens=200, max_len=160, self_distill=True, reply_tokens=6)
+def test_self_distilled_features_read_the_distilled_replies(default_target, cache, one_thread, tmp_path):
+    """Features of `bench distill` data: reply tokens (every turn) are the targets, the
+    prompts are not; an exhausted cache grows when more distilled shards arrive."""
+    from bench.core.training.distill import DistillSettings, distill
+
+    conversations = [["Say hi.", "Now say bye."], ["What is 2+2?"], ["Name a color."]]
+    entries = [{"id": str(i), "conversations": [m for text in turns for m in
+                                                ({"from": "human", "value": text}, {"from": "gpt", "value": "x"})]}
+               for i, turns in enumerate(conversations)]
+    (tmp_path / "sg.json").write_text(json.dumps(entries))
+    settings = DistillSettings(max_reply=24, max_context=300, shard_conversations=2, dtype="float32",
+                               data_path=str(tmp_path / "sg.json"))
+    with pytest.raises(BenchError, match="no self-distilled data"):
+        ensure_features(default_target, (30,), FeatureData(self_distill=True), progress=False)
+    with pytest.raises(BenchError, match="unreadable distilled data"):
+        ensure_features(default_target, (30,), FeatureData(self_distill=True, distilled=str(tmp_path)),
+                        progress=False)
+    distilled = distill(default_target, settings, {}, shards=range(1), progress=False)
+    data = FeatureData(max_tokens=10_000, max_len=256, self_distill=True)  # finds the target's distilled data
     store = ensure_features(default_target, (30,), data, progress=False)
+    assert store.index["exhausted"] and store.index["data"]["distilled"] == str(distilled.folder)
+    rows = list(distilled.rows())
     loaded = store.load((30,))
-    tokens, mask = loaded["tokens"], loaded["loss_mask"]
-    end = int(loaded["offsets"][1])
-    reply_start = int(mask[:end].nonzero()[0]) + 1  # first predicted reply token
-    prompt, reply = tokens[:reply_start].tolist(), tokens[reply_start:end].tolist()
-    logits = default_target.engine.prefill(torch.tensor(prompt)).logits[-1]
-    assert reply[0] == int(logits.argmax())  # greedy answer of the target itself
-    assert 1 <= len(reply) <= 6
+    assert int(loaded["offsets"][-1]) == sum(len(r["tokens"]) for r in rows)
+    first = rows[0]
+    mask = loaded["loss_mask"][: len(first["tokens"])]
+    predicted = {i + 1 for i in mask.nonzero().flatten().tolist()}
+    assert predicted == {i for start, end in first["reply_spans"] for i in range(start, end)}
+    distill(default_target, settings, {}, progress=False)  # the second shard arrives
+    grown = ensure_features(default_target, (30,), data, progress=False)
+    assert grown.num_tokens == sum(len(r["tokens"]) for r in distill(default_target, settings, {}).rows())
