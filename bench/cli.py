@@ -20,6 +20,28 @@ class _Group(click.Group):
         except BenchError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C: the shell's 130, not click's "Aborted!" and 1
+            click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
+            sys.exit(130)
+
+
+def _under_jemalloc() -> None:
+    """Re-run `bench train` under jemalloc when it is installed (Debian libjemalloc2).
+    Training allocates and frees the same large tensors every step; glibc's malloc returns
+    them to the system and faults them back in (see results/README.md for the measured cost)."""
+    import ctypes.util
+    from pathlib import Path
+
+    if sys.argv[1:2] != ["train"] or "jemalloc" in os.environ.get("LD_PRELOAD", "") \
+            or os.environ.get("BENCH_JEMALLOC") == "0":
+        return
+    found = [p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")
+             if Path(p).exists()] or [ctypes.util.find_library("jemalloc")]
+    if not found[0]:
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [os.environ.get("LD_PRELOAD"), found[0]])),
+               MALLOC_CONF=os.environ.get("MALLOC_CONF", "dirty_decay_ms:-1,muzzy_decay_ms:-1"))
+    os.execve(sys.executable, [sys.executable, "-m", "bench.cli", *sys.argv[1:]], env)
 
 
 @click.group(cls=_Group)
@@ -61,12 +83,14 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--no-baseline", is_flag=True, help="do not run the AR baseline alongside")
 @click.option("--strict", is_flag=True, help="exit 1 if a greedy turn differs from the baseline")
 @click.option("--option", "options", multiple=True, help="method option key=value (repeatable)")
+@click.option("--budget", type=click.IntRange(min=1), default=None,
+              help="draft tokens verified per round (root excluded), mapped to the method's own knobs")
 @click.option("--drafter", default=None, help="trained drafter folder (default: user-trained, then shipped)")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="whole interleaved passes (method and baseline again); pass k > 1 is tag <tag>.rep<k>, "
                    "and the speedup is given per pass with its spread")
 def run(method, task, target, limit, per_category, categories, max_new_tokens, temperature, top_k, top_p, seed,
-        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, drafter, repeats) -> None:
+        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, budget, drafter, repeats) -> None:
     """Decode a task suite with one method; write records; print tau, a_i, speedup."""
     from bench.run import RunSettings, format_summary
     from bench.run import run as run_task
@@ -75,7 +99,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
         method=method, task=task, target=target, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype,
         limit=limit, per_category=per_category, categories=tuple(categories), tag=tag, data_dir=data_dir,
-        results_dir=results_dir, baseline=not no_baseline,
+        results_dir=results_dir, baseline=not no_baseline, budget=budget,
         method_options=_parse_options(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
     if drafter:
         from bench.registry import get_method
@@ -110,11 +134,15 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--data-limit", type=click.IntRange(min=1), default=None, help="use only N conversations")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (1 is much faster when other jobs share the cores)")
+@click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_steps, seed, device,
-          checkpoint_minutes, data_limit, threads, options) -> None:
+          checkpoint_minutes, data_limit, threads, precision, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
+
+    _under_jemalloc()
     from pathlib import Path
 
     from bench.core.drafters import user_dir
@@ -136,7 +164,7 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
-        options=_parse_options(options))
+        options=_parse_options(options), precision=precision)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")
@@ -245,7 +273,8 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, result
 @click.option("--method", "methods", multiple=True, help="only this method (repeatable; default all)")
 @click.option("--tag", "tags", multiple=True, help="only this record series, with its revisions (repeatable)")
 @click.option("--out", "out_dir", default="plots", show_default=True, help="folder for report.html, figures/, tables/")
-@click.option("--readme", is_flag=True, help="also rewrite the README's report/references blocks between markers")
+@click.option("--readme", is_flag=True,
+              help="also rewrite the generated blocks: the headline in README.md, the references in results/README.md")
 def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path

@@ -14,7 +14,7 @@ from bench.core.training import loop as loop_module
 from bench.core.training.data import ShareGPTExamples, format_conversation, read_sharegpt
 from bench.core.training.draft_lm import DraftDistillation, train_draft_lm
 
-FP32 = {"num_layers": 1, "teacher_dtype": "float32", "autocast": "float32"}
+FP32 = {"num_layers": 1, "teacher_dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def sharegpt(tmp_path):
 
 def _settings(out_dir, data_path, **changes) -> TrainSettings:
     values = dict(out_dir=out_dir, max_steps=4, batch_size=2, max_len=64, lr=1e-3, warmup_steps=1,
-                  checkpoint_every_s=0.0, data_path=data_path, progress=False, options=dict(FP32))
+                  checkpoint_every_s=0.0, data_path=data_path, progress=False, options=dict(FP32),
+                  precision="float32")
     values.update(changes)
     return TrainSettings(**values)
 

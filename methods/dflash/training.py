@@ -51,7 +51,6 @@ class BlockTrainSettings:
     feature_tokens: int = FeatureData.max_tokens
     max_len: int = FeatureData.max_len
     self_distill: bool = False
-    autocast: bool = True  # bf16 matmuls, fp32 master weights and softmaxes
 
     def slot_decay(self) -> float:
         return self.decay or max(4.0, (self.block_size - 2) / 2)
@@ -62,7 +61,8 @@ DSPARK_DEFAULTS = {"markov_rank": 64, "confidence": True, "ce_weight": 0.1, "l1_
 
 class BlockObjective:
     def __init__(self, model: BlockDraftModel, embed: Tensor, lm_head: Tensor, final_tap: int,
-                 settings: BlockTrainSettings) -> None:
+                 settings: BlockTrainSettings, autocast: bool = False) -> None:
+        self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
         self.model = model
         self.embed = embed
         self.lm_head = lm_head  # the target's rows of the draft vocabulary [Vd, d]
@@ -125,7 +125,7 @@ class BlockObjective:
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         s, model = self.settings, self.model
         batch = {k: v.to(self.embed.device) for k, v in batch.items()}
-        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=s.autocast):
+        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.forward(batch)
             if out["hidden"].shape[0] == 0:
                 raise BenchError("no scored positions in a batch: the feature cache holds no replies")
@@ -241,13 +241,13 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     model.to(settings.device)
     embed = engine.embed.float().to(settings.device)
     lm_head = engine.lm_head.float().to(settings.device)[model.draft_to_target.to(settings.device)]
-    objective = BlockObjective(model, embed, lm_head, num_layers, train_settings)
+    objective = BlockObjective(model, embed, lm_head, num_layers, train_settings, settings.bf16_autocast())
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
-                "features": store.folder.name, "train": asdict(train_settings)}
-    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed, grad_clip=1.0)
+                "features": store.folder.name, "train": asdict(train_settings),
+                "bf16_autocast": settings.bf16_autocast()}
+    cfg = settings.loop_config(grad_clip=1.0)
 
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)

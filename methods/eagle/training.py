@@ -55,7 +55,6 @@ class EagleTrainSettings:
     feature_tokens: int = FeatureData.max_tokens  # size of the feature cache (tokens)
     max_len: int = FeatureData.max_len
     self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
-    autocast: bool = True  # bf16 matmuls, fp32 master weights and softmaxes (2x faster lm_heads on AVX512-BF16)
 
 
 class FeatureBatches:
@@ -113,7 +112,8 @@ class EagleObjective:
     """Loss of one batch for either kind; `named_parameters` are the head's trainable ones."""
 
     def __init__(self, head: EagleHead, embed: Tensor, lm_head: Tensor, final_tap: int,
-                 settings: EagleTrainSettings) -> None:
+                 settings: EagleTrainSettings, autocast: bool = False) -> None:
+        self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
@@ -135,7 +135,7 @@ class EagleObjective:
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         batch = {k: v.to(self.embed.device) for k, v in batch.items()}
-        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=self.settings.autocast):
+        with torch.autocast(self.embed.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if self.head.config.kind == "eagle3":
                 return self._loss_eagle3(batch)
             return self._loss_eagle1(batch)
@@ -334,13 +334,13 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     engine = target.engine
     head.to(settings.device)
     embed, lm_head = (w.float().to(settings.device) for w in (engine.embed, engine.lm_head))
-    objective = EagleObjective(head, embed, lm_head, num_layers, train_settings)
+    objective = EagleObjective(head, embed, lm_head, num_layers, train_settings, settings.bf16_autocast())
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
-                "features": store.folder.name, "train": asdict(train_settings)}
-    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed, grad_clip=0.5)
+                "features": store.folder.name, "train": asdict(train_settings),
+                "bf16_autocast": settings.bf16_autocast()}
+    cfg = settings.loop_config(grad_clip=0.5)
     out_dir = Path(settings.out_dir)
     if config.draft_vocab_size:
         vocab_file = out_dir / "draft_vocab.json"  # the map is data, not a parameter: keep it across resumes

@@ -298,8 +298,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     identity = {"method": METHOD, "target": target_info, "batch_size": settings.batch_size,
                 "max_len": settings.max_len, "data_limit": settings.data_limit, "features": data.key(),
                 "mtp": asdict(opts)}
-    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed)
+    cfg = settings.loop_config()
     architecture = dict(asdict(LayerShape.of(target.engine)), kind=opts.variant)
     if opts.variant == "parallel":
         architecture["heads"] = opts.heads

