@@ -38,20 +38,22 @@ report: $(STAMP)
 	$(BIN)/bench report --out plots $(if $(TAG),--tag $(TAG))
 
 # Every method x task on the default target (idempotent: finished cells are skipped), then the
-# report and the README's tables. Default: a sample of each suite (bench/grid.py states the sizes,
-# a few hours on 2 CPU cores); FULL=1: every question, 256 new tokens, tag `full`; REPEATS=N: N whole
-# passes (pass k > 1 under tag `grid.rep<k>`), so each speedup has its spread over passes.
+# report, README.md's headline table and results/README.md's tables. Default: a sample of each
+# suite (bench/grid.py states the sizes, a few hours on 2 CPU cores); FULL=1: every question,
+# 256 new tokens, tag `full`; REPEATS=N: N whole passes (pass k > 1 under tag `grid.rep<k>`), so
+# each speedup has its spread over passes.
 GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 REPEATS ?= 1
 all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --repeats $(REPEATS)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme
-	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid
+	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
 # Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
 # (tags b4/b8/b16: dflash and dspark verify k block slots, ddtree a k-node tree, eagle3 a k-node
 # dynamic tree, mtp a k-deep chain); dspark's scheduled verification (tag sched); temperature 1
-# (tag t1; the threshold cut: tag thr); then the confidence head's calibration. Every run is interleaved with its AR baseline.
+# (tag t1; the threshold cut: tag thr); then the confidence head's calibration and results/README.md's
+# `blocks` table. Every run is interleaved with its AR baseline.
 SWEEP := $(BIN)/bench run --task humaneval --limit 10 --max-new-tokens 128
 block-sweep: $(STAMP)
 	for k in 4 8 16; do \
@@ -66,7 +68,7 @@ block-sweep: $(STAMP)
 	for m in dflash dspark eagle3; do $(SWEEP) --tag t1 --temperature 1 --method $$m || exit 1; done
 	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
 	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval \
-	  --readme blocks
+	  --readme blocks --readme-path results/README.md
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

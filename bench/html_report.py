@@ -141,8 +141,8 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         ("missing", "Missing and partial records", _problems(records, figures)),
         ("references", "Reported by the papers (not measured here)",
          '<p class="ref">The numbers in this section are <b>reported by the papers</b> and the Spec-Bench '
-         "leaderboard for other targets and hardware, copied from shared/design/methods.md with its sources; "
-         "rows marked recalled are flagged there as recalled from memory, not re-read. Compare orderings, "
+         "leaderboard for other targets and hardware (bench/reference_numbers.json, sources in methods/README.md); "
+         "rows marked recalled were taken from memory of the paper, not re-read. Compare orderings, "
          "not values.</p><h3>Ordering: ours beside the Spec-Bench leaderboard</h3>"
          + _table(ordering_table(tables.overall, references) if not tables.overall.empty else pd.DataFrame())
          + "<h3>All reported numbers</h3>" + _table(references_table(references))),

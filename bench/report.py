@@ -1,5 +1,6 @@
 """`bench report`: the tables (bench.tables), the figures (bench.plots) and one HTML page
-(bench.html_report) from the kept records, and the README's generated blocks."""
+(bench.html_report) from the kept records, and the generated README blocks (the headline
+table in README.md, the references in results/README.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from bench.html_report import load_references, references_table, render, write_h
 from bench.plots import Figured, make_figures
 from bench.tables import (
     BASELINE,
+    HEADLINE,
+    RESULTS_README,
     Records,
     RunFile,
     Tables,
@@ -16,13 +19,14 @@ from bench.tables import (
     display_table,
     load_records,
     to_markdown,
-    update_readme,
+    update_readmes,
     write_tables,
 )
 
 
 def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, str]:
-    """What `bench report --readme` writes between the README's markers."""
+    """What `bench report --readme` writes between markers: `report` (the headline, README.md)
+    and `references` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
     for run in records.runs:
         if run.method == BASELINE:
@@ -39,12 +43,15 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
     refs = references_table(load_references())
     return {"report": to_markdown(display_table(tables.overall)) + note,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
-            "(other targets, other hardware), copied from shared/design/methods.md; not measured here."}
+            "(other targets, other hardware), from bench/reference_numbers.json with the sources methods/README.md "
+            "lists; not measured here."}
 
 
 def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tasks: tuple[str, ...] = (),
-                methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None) -> dict:
-    """Tables, figures and report.html under `out`; optionally the README's marked blocks."""
+                methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None,
+                results_readme: Path | None = None) -> dict:
+    """Tables, figures and report.html under `out`. With `readme`, also its headline block, and
+    the other blocks into `results_readme` (default: results/README.md beside `readme`)."""
     records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tags or None)
     tables = build_tables(records)
     out = Path(out)
@@ -57,6 +64,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     if readme is not None:
         command = "bench report" + "".join(f" --{k} {v}" for k, values in (("target", targets), ("task", tasks),
                                            ("method", methods), ("tag", tags)) for v in values)
-        update_readme(Path(readme), readme_blocks(tables, records, command))
+        blocks = readme_blocks(tables, records, command)
+        results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
+        update_readmes({Path(readme): {HEADLINE: blocks.pop(HEADLINE)}, results_readme: blocks})
     return {"html": html_path, "files": written, "problems": records.problems, "tables": tables,
             "figures": figures}

@@ -2,7 +2,7 @@
 record files, so figures quoted anywhere come from kept records.
 
     python -m bench.summary --target smollm2-135m --tag audit
-    python -m bench.summary --tag grid --readme grid   # also rewrite README.md's `grid` block
+    python -m bench.summary --tag grid --readme grid   # also rewrite results/README.md's `grid` block
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import click
 from bench import metrics
 from bench.core.errors import BenchError
 from bench.records import split_repeat
-from bench.tables import contended_turns, read_lenient, update_readme
+from bench.tables import RESULTS_README, contended_turns, read_lenient, update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
@@ -111,8 +111,8 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
 @click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
 @click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
 @click.option("--readme", "block", default=None, metavar="NAME",
-              help="also write the table between README.md's '<!-- NAME:start -->' and ':end' markers")
-@click.option("--readme-path", default="README.md", show_default=True)
+              help="also write the table between the '<!-- NAME:start -->' and ':end' markers of --readme-path")
+@click.option("--readme-path", default=str(RESULTS_README), show_default=True)
 def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...], block: str | None,
          readme_path: str) -> None:
     rows = []

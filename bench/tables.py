@@ -536,6 +536,11 @@ def write_tables(tables: Tables, out: Path, records: Records | None = None) -> l
 
 # ---------------------------------------------------------------- README
 
+# README.md keeps one generated block, the headline (`bench report`'s pooled table); every
+# other generated block (references, grid, blocks, peers, audit, s2) lives in results/README.md.
+HEADLINE = "report"
+RESULTS_README = Path("results") / "README.md"
+
 
 def replace_between_markers(text: str, name: str, block: str) -> str:
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
@@ -546,13 +551,26 @@ def replace_between_markers(text: str, name: str, block: str) -> str:
     return f"{head}{start}\n{block.strip()}\n{end}{tail}"
 
 
+def update_readmes(files: dict[Path, dict[str, str]]) -> None:
+    """Rewrite the named blocks of several Markdown files; every file's markers are checked
+    before any file is written, so a missing marker leaves them all as they were."""
+    texts = {}
+    for readme, blocks in files.items():
+        try:
+            text = Path(readme).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise BenchError(f"cannot read {readme}: {exc.strerror}") from None
+        for name, block in blocks.items():
+            try:
+                text = replace_between_markers(text, name, block)
+            except BenchError as exc:
+                raise BenchError(f"{readme}: {exc}") from None
+        texts[Path(readme)] = text
+    for readme, text in texts.items():
+        tmp = readme.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(readme)
+
+
 def update_readme(readme: Path, blocks: dict[str, str]) -> None:
-    try:
-        text = Path(readme).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise BenchError(f"cannot read {readme}: {exc.strerror}") from None
-    for name, block in blocks.items():
-        text = replace_between_markers(text, name, block)
-    tmp = Path(readme).with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(readme)
+    update_readmes({Path(readme): blocks})

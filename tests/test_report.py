@@ -8,6 +8,7 @@ import io
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,6 +31,7 @@ from bench.tables import (
     to_latex,
     to_markdown,
     update_readme,
+    update_readmes,
     write_tables,
 )
 
@@ -150,6 +152,11 @@ def test_readme_markers(tmp_path):
     readme.write_text(text)
     update_readme(readme, {"report": "| t |"})
     assert "| t |" in readme.read_text() and "keep" in readme.read_text()
+    other = tmp_path / "other.md"  # a file without the marker: neither file is written
+    other.write_text("no markers\n")
+    with pytest.raises(BenchError, match="other.md: .*grid:start"):
+        update_readmes({readme: {"report": "| u |"}, other: {"grid": "| g |"}})
+    assert "| t |" in readme.read_text() and other.read_text() == "no markers\n"
 
 
 def test_figures_profile_and_gpu(tmp_path):
@@ -204,14 +211,15 @@ def test_bench_report_command_writes_a_self_contained_report(tmp_path, monkeypat
     results, out = tmp_path / "results", tmp_path / "plots"
     write_clean(results)
     write_profile(results)
-    (tmp_path / "README.md").write_text("<!-- report:start -->\n<!-- report:end -->\n"
-                                        "<!-- references:start -->\n<!-- references:end -->\n")
+    (tmp_path / "README.md").write_text("<!-- report:start -->\n<!-- report:end -->\n")
+    (results / "README.md").write_text("<!-- references:start -->\n<!-- references:end -->\n")
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["report", "--results", str(results), "--out", str(out), "--readme"])
     assert result.exit_code == 0, result.output
     assert "| pld | 5 | 3.00 | 2.40x" in result.stdout
-    readme = (tmp_path / "README.md").read_text()
-    assert "| pld | 5 | 3.00 | 2.40x" in readme and "reported by the papers" in readme.lower()
+    readme, results_readme = (tmp_path / "README.md").read_text(), (results / "README.md").read_text()
+    assert "| pld | 5 | 3.00 | 2.40x" in readme and "reported by the papers" not in readme.lower()
+    assert "reported by the papers" in results_readme.lower() and "| pld | 5 |" not in results_readme
     assert {p.name for p in (out / "figures").iterdir()} >= {"speedup.png", "speedup.svg", "profile.svg"}
     page = (out / "report.html").read_text(encoding="utf-8")
     parsed = _Images()
@@ -239,7 +247,11 @@ def test_reference_numbers_cite_a_source():
     from bench.html_report import load_references
 
     rows = load_references()
-    assert rows and all(r["source"] and r["ref"].startswith("methods.md §") for r in rows)
+    methods_readme = Path(__file__).resolve().parent.parent / "methods" / "README.md"
+    anchors = {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in methods_readme.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+    assert rows and all(r["source"] and r["ref"].startswith("methods/README.md#") for r in rows)
+    assert {r["ref"].split("#", 1)[1] for r in rows} <= anchors  # each cites a section that exists
     assert all(r["tau"] or r["speedup"] for r in rows)
     assert {"sps", "pld", "lookahead", "medusa", "eagle2", "eagle3"} <= {r["method"] for r in rows}
 
