@@ -1,4 +1,4 @@
-"""Metrics over turn records (conventions of shared/design/methods.md §11d).
+"""Metrics over turn records (the conventions results/README.md states for its tables).
 
 - τ is pooled: Σ_r (n_r + 1) / #rounds, n_r = accepted draft tokens of round r; the
   token sampled at prefill is not a round. A round cut short by EOS still counts n_r + 1.
@@ -142,7 +142,7 @@ def speedup_interval(method: list[dict], base: list[dict], samples: int = 1000,
 
 
 def modelled_speedup(method: list[dict], base: list[dict]) -> float:
-    """The speedup model τ · t0 / (t_d + t_v) (methods.md §11e) from the measured parts:
+    """The speedup model τ · t0 / (t_d + t_v) from the measured parts:
     t0 = the baseline's decode time per round (one target step), t_d and t_v = the
     method's mean draft and verification time per round. Next to the measured speedup it
     tells whether a shortfall is acceptance (τ) or cost (t_d, t_v)."""

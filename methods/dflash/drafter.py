@@ -20,8 +20,8 @@ Losslessness of the DSpark cut: whether slot j is verified depends on c_1..c_j, 
 depends on x_{i-1}, never on x_j itself nor on the target. Given the accepted prefix,
 position j is then either drafted from q_j and rejection-sampled, or sampled from the
 target directly: both give the target's distribution. With sampling, admission
-stops at the first position that does not raise the expected throughput (methods.md §10:
-searching further would let the decision about j depend on x_j); greedy decoding is
+stops at the first position that does not raise the expected throughput (DSpark paper,
+App. A: searching further would let the decision about j depend on x_j); greedy decoding is
 lossless whatever is drafted, so there the best cut over the whole block is taken.
 """
 
@@ -95,7 +95,7 @@ def admit_by_throughput(survival: list[float], verify_seconds: list[float], draf
     look_ahead: take the best j over the whole block instead. Only for greedy decoding,
     where the output is the target's argmax whatever is drafted: there the decision about
     slot j may depend on later slots (hence on x_j), and it pays where t_v(k) is not
-    monotone (on this CPU a 4-token pass is cheaper than a 2- or 3-token one)."""
+    monotone (as on the development CPU: see the hardware profile in results/README.md)."""
     best = 1.0 / (draft_seconds + verify_seconds[1])
     expected = 1.0
     admitted = 0

@@ -7,10 +7,10 @@ as extra keys/values into every draft layer (each layer's own k/v projections of
 fused context); queries come from the block only. The block attends to the whole
 context and to itself in both directions.
 
-Index convention (DeepSpec's, methods.md §9-10): the anchor is the last committed token
-(the root, whose features the target has not computed yet); slot i of the block sits at
-position anchor+i and predicts the token at anchor+i+1. So b slots give b drafts, the
-anchor slot included.
+Index convention (DeepSpec's, not z-lab/dflash's; methods/README.md): the anchor is the
+last committed token (the root, whose features the target has not computed yet); slot i of
+the block sits at position anchor+i and predicts the token at anchor+i+1. So b slots give
+b drafts, the anchor slot included.
 
 DSpark (Cheng et al. 2607.05147) adds two light heads on the same backbone:
 - Markov head: logits_i = U_i + W2 W1[x_{i-1}] (x_{-1} = the anchor), a rank-r bigram

@@ -10,7 +10,7 @@ own distribution there, softmax(lm_head(h_L[a+i])), restricted to the draft voca
 Losses, each weighted per slot by exp(-i/decay) (later slots matter less: they are
 verified only if every earlier one survives):
 - DFlash: soft cross-entropy against the target's distribution.
-- DSpark (methods.md §10): 0.1 CE + 0.9 ||p_d - p_t||_1 on the Markov-corrected draft
+- DSpark (its paper's eq. 9-12): 0.1 CE + 0.9 ||p_d - p_t||_1 on the Markov-corrected draft
   distribution p_d (teacher forcing: x_{i-1} is the data's token), plus
   BCE(c_i, 1 - TV(p_d, p_t)) for the confidence head, whose inputs are detached so it
   reads the backbone without steering it.

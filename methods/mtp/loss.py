@@ -2,8 +2,8 @@
 
 The [rows, vocab] logits are never kept: one autograd Function computes loss and gradient
 chunk by chunk, because the lm_head over the 49152-token vocabulary is nearly all the cost
-of a training step, and with the lm_head matmuls in bfloat16 (2.4x faster than fp32 on
-this CPU).
+of a training step, and with the lm_head matmuls in bfloat16 (faster than fp32 where bf16
+matmul is native; measured in results/README.md).
 """
 
 from __future__ import annotations
