@@ -10,11 +10,11 @@ the newest revision and lists the older ones as superseded. A method that cannot
 (no trained drafter) is recorded as "not run: <reason>" in the manifest
 results/<target>/grid-<tag>.json, which the report reads; the grid goes on.
 
-Default plan (CPU, a few hours for the current methods, estimated from the audit and s2
-throughputs; the report's bootstrap intervals show how stable each speedup is): MT-bench
+Default plan (CPU; how long it takes is in results/README.md; the report's bootstrap
+intervals show how stable each speedup is): MT-bench
 1 question per category (8 questions, 16 turns), HumanEval and GSM8K the first 10,
 Spec-Bench 1 per category (13 questions, 21 turns), 128 new tokens, greedy: 57 turns per
-method, about 8 minutes at AR speed (16 tok/s) on one core. `--full`:
+method. `--full`:
 every question of every suite, 256 new tokens, tag `full`. `--repeats N`: N whole passes of
 the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every speedup also
 has its spread over passes; already recorded passes are skipped like any finished cell.

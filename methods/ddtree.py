@@ -7,8 +7,8 @@ whole tree in one pass with tree attention. Uses the dflash drafter.
 
     bench run --method ddtree --task humaneval [--option budget=16]
 
-Options: drafter, dtype (as dflash), budget (draft nodes per round, default 16: on this
-CPU a 16-token pass costs ~2.3 one-token steps, a 64-token one ~4).
+Options: drafter, dtype (as dflash), budget (draft nodes per round, default 16, sized for
+this CPU's verification costs: results/README.md, hardware profile).
 """
 
 from __future__ import annotations

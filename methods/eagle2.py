@@ -6,8 +6,8 @@ Uses the drafter trained by `bench train --method eagle` (`bench train --method 
 trains the same head).
 
 Options: total_token (draft nodes + root), depth (deepest level), top_k, drafter, dtype.
-The defaults are sized for a 2-core CPU, where verifying 16 tokens costs ~2.3 one-token
-steps (EAGLE's GPU default is 60 / 5 / 10).
+The defaults are sized for a 2-core CPU, where a 16-token verification pass costs a few
+one-token steps (results/README.md, hardware profile; EAGLE's GPU default is 60 / 5 / 10).
 """
 
 from __future__ import annotations

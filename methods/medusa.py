@@ -35,14 +35,14 @@ logits are shared by the heads inside a window). The last 5% of conversations ar
 out: the exported drafter records the heads' top-1..10 agreement with the target's greedy
 token there, and the tree built from it.
 
-Cost and defaults (SmolLM2-135M, V=49152, d=576, 1 thread on the 2-core dev CPU shared with
-other jobs): the lm_head projections dominate (per window position: the target's label
-row, and per head the logits and their gradient, computed block by block without storing
-[n, V] activations), ~15 ms per position. batch_size 4 x window 128 gives ~400 valid
-positions per step (windows stop at conversation ends and reply boundaries), ~6 s/step, so
-the CLI's default 600 steps take about an hour and see ~240k positions (~1 epoch of the
+Cost and defaults (SmolLM2-135M, V=49152, d=576): the lm_head projections dominate (per
+window position: the target's label row, and per head the logits and their gradient,
+computed block by block without storing [n, V] activations). batch_size 4 x window 128
+gives ~400 valid positions per step (windows stop at conversation ends and reply
+boundaries), so the CLI's default 600 steps see ~240k positions (~1 epoch of the
 300k-token cache). Each export also measures the held-out accuracies (eval_positions
-4096: ~25 s, the first ~50 s). settings.max_len is not used: the cache's FeatureData fixes it.
+4096). Step and export times: results/README.md. settings.max_len is not used: the cache's
+FeatureData fixes it.
 
 Drafter formats (`--drafter FOLDER`):
 - ours: drafter.json (method, target, architecture, accuracy, tree, training) + model.safetensors

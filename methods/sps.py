@@ -17,12 +17,10 @@ when all drafts were accepted, else -1, floor 1), max_gamma (cap for the heurist
 drafter (path), draft_dtype (default bfloat16: the draft only proposes, so its precision
 changes acceptance, never the output; on CPU it halves the draft's memory traffic).
 
-Measured (shipped SmolLM2-135M drafter, 2 layers, 600 steps; MT-bench first turns,
-greedy, 128 tokens, 2-core CPU): tau 1.33-1.35 for gamma 2..6 (per-position acceptance
-~0.26, the drafter's teacher-forced agreement with the target); gamma 3 is fastest, and a
-bf16 draft is faster than fp32 (0.74x vs 0.63x AR). On this CPU the draft's lm_head
-(49152 x 576, shared with the target) costs about a quarter of a target step, so SpS
-needs far better acceptance than this drafter has to beat AR.
+Why gamma 3 and a bf16 draft are the defaults is measured in results/README.md. The
+draft's lm_head (shared with the target's 49152-token vocabulary) is a large share of a
+target step for a small target, so SpS needs far better acceptance than the shipped
+drafter has to beat AR.
 """
 
 from __future__ import annotations

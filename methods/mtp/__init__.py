@@ -36,16 +36,13 @@ parallel), sample (0 | 1: at T > 0 draw drafts from the module's warped q and re
 for the min(1, p/q) rule; default 0 = argmax drafts, q one-hot, exact at any
 temperature), draft_dtype (default bfloat16: the drafter only proposes), drafter (path).
 
-Training recipe (about an hour on one free CPU thread): `bench train --method mtp
+Training recipe (its duration is in results/README.md): `bench train --method mtp
 --max-len 512 --batch-size 4 --lr 5e-4 --warmup-steps 20 --max-steps 600 --threads 1`
 (600 steps of 4 conversations = about 3.7 epochs of the shared 300k-token cache), plus
 `--option variant=parallel` for the heads. Options: see training.MtpSettings.
 
-Measured (2-core EPYC shared with other jobs, one thread, load ~4): a training step of
-4 x 512 tokens (~1570 reply rows) takes ~8 s sequential (ttt_steps=2) and ~9.5 s parallel
-(3 heads), ~190 and ~165 rows/s; the fused loss is ~75% of it. Drafting in bf16 costs
-~13 ms per sequential step (the lm_head) and ~36 ms for 3 parallel heads, against ~80 ms
-per AR target step; fp32 drafting is ~1.35x slower. Init: after 60 steps (2 x 256 tokens)
+The training step's and drafting's measured costs are in results/README.md; the fused
+loss is most of a training step. Init: after 60 steps (2 x 256 tokens)
 the last-layer init (starts at KL 15-20 from the target) and a random layer (starts at
 12-13) both reach held-out step-1 KL 5.2-5.4 and top-1 agreement 0.12-0.14, i.e. no
 difference that short; the last layer stays the default (see training.init_model).
