@@ -26,7 +26,7 @@ test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check bench methods tasks tests
+	$(BIN)/ruff check bench methods tasks tests scripts
 
 # Our implementations vs transformers' own, interleaved (speed ratios, not a test).
 peers: $(STAMP)
@@ -50,18 +50,15 @@ all-results: $(STAMP)
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
 # Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
-# (tags b4/b8/b16: dflash and dspark verify k block slots, ddtree a k-node tree, eagle3 a k-node
-# dynamic tree, mtp a k-deep chain); dspark's scheduled verification (tag sched); temperature 1
+# (tags b4/b8/b16, `--budget k`: k draft tokens verified per round, each method's own knobs set from
+# it: dflash and dspark k block slots, ddtree a k-node tree, eagle3 a k-node dynamic tree, mtp a
+# k-deep chain; see each method's Options); dspark's scheduled verification (tag sched); temperature 1
 # (tag t1; the threshold cut: tag thr); then the confidence head's calibration and results/README.md's
 # `blocks` table. Every run is interleaved with its AR baseline.
 SWEEP := $(BIN)/bench run --task humaneval --limit 10 --max-new-tokens 128
 block-sweep: $(STAMP)
 	for k in 4 8 16; do \
-	  $(SWEEP) --tag b$$k --method dflash --option block=$$k && \
-	  $(SWEEP) --tag b$$k --method dspark --option block=$$k --option schedule=none && \
-	  $(SWEEP) --tag b$$k --method ddtree --option budget=$$k && \
-	  $(SWEEP) --tag b$$k --method eagle3 --option total_token=$$((k + 1)) --option depth=$$(( k < 8 ? k : 8 )) && \
-	  $(SWEEP) --tag b$$k --method mtp --option depth=$$k || exit 1; \
+	  for m in dflash dspark ddtree eagle3 mtp; do $(SWEEP) --tag b$$k --method $$m --budget $$k || exit 1; done; \
 	done
 	$(SWEEP) --tag sched --method dspark
 	$(SWEEP) --tag thr --method dspark --option schedule=threshold --option threshold=0.5

@@ -1,0 +1,35 @@
+"""Every registered lossless method, built as `bench run` builds it (shipped drafters,
+default options), reproduces the target's own greedy tokens: the test a new method runs.
+
+    pytest -q tests/test_every_method.py -k mymethod
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import bench.registry as registry
+from bench.core.decode import DecodeConfig
+from bench.core.sampling import SamplingConfig
+from bench.core.target import chat_prompt
+
+PROMPTS = ["Write a Python function that returns the square of a number, with a docstring."]
+# `hf` is transformers' own loop, compared with ours in tests/test_ar_vs_hf.py.
+LOSSLESS = [name for name, info in registry.METHODS.items() if info.lossless and name not in ("ar", "hf")]
+
+
+@pytest.fixture(scope="module")
+def baseline(default_target):
+    config = DecodeConfig(max_new_tokens=32, sampling=SamplingConfig(0.0),
+                          eos_token_ids=tuple(default_target.eos_token_ids))
+    prompts = [chat_prompt(default_target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    ar = registry.build_decoder("ar", default_target, {})
+    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("method", LOSSLESS)
+def test_greedy_output_equals_the_targets(method, default_target, baseline, one_thread):
+    config, prompts, expected = baseline
+    decoder = registry.build_decoder(method, default_target, {})  # every trained method ships a drafter
+    for prompt, tokens in zip(prompts, expected):
+        assert decoder.run_turn(prompt, config).tokens == tokens
