@@ -1,4 +1,5 @@
-"""Method registry. Each method module exposes `build(target, options) -> Decoder`.
+"""Method registry. Each method module exposes `Options` (a frozen dataclass, parsed by
+bench.core.options) and `build(target, options) -> Decoder`.
 
 A Decoder turns a prompt into a TurnResult. Nearly every method is a Drafter run
 through bench.core.decode.decode (wrapped by LoopDecoder); `hf` is the outside reference
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import methods  # noqa: F401  (importing the package registers its shipped drafters)
 from bench.core.errors import BenchError
+from bench.core.options import draft_budget, parse_options, recorded
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,35 @@ def get_method(name: str) -> MethodInfo:
     return METHODS[name]
 
 
-def build_decoder(name: str, target, options: dict | None = None):
+def resolve_options(name: str, options=None, budget: int | None = None):
+    """The method's typed Options (its module's frozen dataclass) from `--option` pairs (or
+    an Options already) and `--budget`; bad input is one BenchError line. Loads no model, so
+    a run checks its options before the target."""
+    module = importlib.import_module(get_method(name).module)
+    return parse_options(module.Options, options or {}, name, budget)
+
+
+def recorded_options(name: str, options=None, budget: int | None = None) -> dict:
+    """What a run records as its method options: those given or set by the budget, resolved
+    (bench.core.options.recorded); a run with default options records {}."""
+    module = importlib.import_module(get_method(name).module)
+    return recorded(module.Options, options or {}, name, budget)
+
+
+def recorded_budget(settings: dict) -> int | None:
+    """Draft tokens per round of a recorded run: its --budget, else what its recorded
+    options amount to (runs from before --budget), else None (adaptive, or not fixed)."""
+    if settings.get("budget"):
+        return int(settings["budget"])
+    if settings.get("method") not in METHODS:
+        return None
+    try:
+        return draft_budget(resolve_options(settings["method"], settings.get("method_options") or {}))
+    except BenchError:  # options an older version took
+        return None
+
+
+def build_decoder(name: str, target, options=None):
+    """`options`: a dict of `--option` values or the method's Options."""
     info = get_method(name)
-    return importlib.import_module(info.module).build(target, options or {})
+    return importlib.import_module(info.module).build(target, resolve_options(name, options))

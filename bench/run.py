@@ -49,6 +49,7 @@ class RunSettings:
     results_dir: str = "results"
     baseline: bool = True
     method_options: dict = field(default_factory=dict)
+    budget: int | None = None  # --budget: draft tokens verified per round (root excluded), for the method only
     repeat: int = 1  # which pass of the series this is (1-based); k > 1 goes to tag `<tag>.rep<k>`
 
     @property
@@ -155,13 +156,19 @@ def warm_up(sides: list[Side], target, config: DecodeConfig) -> None:
 
 
 def record_settings(settings: RunSettings, method: str, target, decoder) -> dict:
-    """What determines a run's outputs and timings; resumed runs must match it."""
+    """What determines a run's outputs and timings; resumed runs must match it. The method's
+    options are recorded resolved (typed, --budget mapped): those given or set by the budget
+    (a default run records {}); the budget itself only when one was given."""
+    from bench.registry import recorded_options
+
+    own = method == settings.method
     return {
         "method": method, "task": task_name(settings.task), "target": target.name,
         "target_fingerprint": target.fingerprint, "max_new_tokens": settings.max_new_tokens,
         "sampling": settings.sampling.to_dict(), "seed": settings.seed,
         "device": target.engine.device.type, "dtype": settings.dtype,
-        "method_options": settings.method_options if method == settings.method else {},
+        "method_options": recorded_options(method, settings.method_options, settings.budget) if own else {},
+        **({"budget": settings.budget} if own and settings.budget is not None else {}),
         "lossless": decoder.lossless,
         # Which trained drafter produced the records (methods that load one expose `info`).
         **({"drafter": decoder.info} if getattr(decoder, "info", None) else {}),
@@ -203,9 +210,10 @@ def run(settings: RunSettings, repeats: int = 1) -> dict:
 def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     """One interleaved pass over the task: {side: (its finished turns, its record file)}."""
     from bench.core.target import load_target, parse_dtype
-    from bench.registry import build_decoder, get_method
+    from bench.registry import build_decoder, resolve_options
 
-    get_method(settings.method)  # fail fast on a typo, before loading anything
+    # Fail fast on a typo, a bad option or budget, before loading anything.
+    options = resolve_options(settings.method, settings.method_options, settings.budget)
     check_device(settings.device)
     parse_dtype(settings.dtype)
     questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories,
@@ -217,7 +225,7 @@ def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
                           eos_token_ids=tuple(target.eos_token_ids))
     results_dir = Path(settings.results_dir)
     task = task_name(settings.task)
-    decoder = build_decoder(settings.method, target, settings.method_options)
+    decoder = build_decoder(settings.method, target, options)
     path = records_path(results_dir, target.name, task, settings.method, settings.records_tag)
     method_side = Side(settings.method, decoder,
                        RunFile(path, record_settings(settings, settings.method, target, decoder),

@@ -7,23 +7,44 @@ whole tree in one pass with tree attention. Uses the dflash drafter.
 
     bench run --method ddtree --task humaneval [--option budget=16]
 
-Options: drafter, dtype (as dflash), budget (draft nodes per round, default 16, sized for
-this CPU's verification costs: results/README.md, hardware profile).
+Options: see `Options` below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bench.core.decode import LoopDecoder
-from methods.dflash import int_option, load_model
+from bench.core.options import Dtype, option, parse_options
+from methods.dflash import load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "ddtree"
-DEFAULT_BUDGET = 16
 
 
-def build(target, options: dict) -> LoopDecoder:
-    model, manifest = load_model(target, "dflash", options)
-    settings = BlockSettings(mode="tree", budget=int_option(options, "budget", DEFAULT_BUDGET, 1, 1024))
+@dataclass(frozen=True)
+class Options:
+    """budget: draft nodes per round (16, sized for this CPU's verification costs:
+    results/README.md, hardware profile); drafter, dtype: as dflash.
+
+    --budget K: budget = K (the same count: draft nodes, root excluded)."""
+
+    budget: int = option(16, min=1, max=1024)
+    drafter: str | None = None
+    dtype: Dtype = "bfloat16"
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"budget": budget}
+
+    def draft_budget(self) -> int | None:
+        return self.budget
+
+
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    model, manifest = load_model(target, "dflash", opts)
+    settings = BlockSettings(mode="tree", budget=opts.budget)
     return LoopDecoder(target, BlockDrafter(target, model, settings, name=METHOD), manifest["info"])
 
 

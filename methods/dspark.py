@@ -13,37 +13,58 @@ confidence head, with confidence-scheduled verification.
     bench run --method dspark --task humaneval [--option schedule=threshold --option threshold=0.5]
 
 t_v(k) comes from a few seconds of measurement on the target when the decoder is built.
-Options: drafter, dtype, block (as dflash), schedule, threshold.
+Options: see `Options` below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from bench.core.decode import LoopDecoder
 from bench.core.errors import BenchError
-from methods.dflash import int_option, load_model
+from bench.core.options import Dtype, option, parse_options
+from methods.dflash import block_for, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "dspark"
-SCHEDULES = ("throughput", "threshold", "none")
 
 
-def build(target, options: dict) -> LoopDecoder:
+@dataclass(frozen=True)
+class Options:
+    """schedule: throughput | threshold | none (see above); threshold: the cut for
+    schedule=threshold; block: drafts per round before the schedule cuts (default the
+    trained block size); drafter, dtype: as dflash.
+
+    --budget K: block = K with schedule none, so every round verifies K drafts as dflash
+    does; an explicit schedule wins, and K is then the most it may verify."""
+
+    drafter: str | None = None
+    block: int | None = option(None, min=1)
+    schedule: Literal["throughput", "threshold", "none"] = "throughput"
+    threshold: float = option(0.5, min=0.0, max=1.0)
+    dtype: Dtype = "bfloat16"
+
+    BUDGET_SOFT = ("schedule",)
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"block": budget, "schedule": "none"}
+
+    def draft_budget(self) -> int | None:
+        return self.block if self.schedule == "none" else None
+
+
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
     from bench.core.costs import quick_chain_costs
 
-    model, manifest = load_model(target, METHOD, options)
+    opts = parse_options(Options, options, METHOD)
+    model, manifest = load_model(target, METHOD, opts)
     if not model.config.confidence:
         raise BenchError("the dspark drafter has no confidence head: train it with `bench train --method dspark`")
-    size = model.config.block_size
-    schedule = str(options.get("schedule", "throughput"))
-    if schedule not in SCHEDULES:
-        raise BenchError(f"unknown schedule '{schedule}' (choose from {', '.join(SCHEDULES)})")
-    try:
-        threshold = float(options.get("threshold", 0.5))
-    except (TypeError, ValueError):
-        raise BenchError(f"option threshold must be a number, got '{options.get('threshold')}'") from None
-    settings = BlockSettings(mode="scheduled", block=int_option(options, "block", size, 1, size),
-                             schedule=schedule, threshold=threshold)
-    costs = quick_chain_costs(target.engine, settings.block + 1) if schedule == "throughput" else None
+    settings = BlockSettings(mode="scheduled", block=block_for(model, opts.block, METHOD), schedule=opts.schedule,
+                             threshold=opts.threshold)
+    costs = quick_chain_costs(target.engine, settings.block + 1) if opts.schedule == "throughput" else None
     drafter = BlockDrafter(target, model, settings, name=METHOD, verify_seconds=costs)
     return LoopDecoder(target, drafter, manifest["info"])
 

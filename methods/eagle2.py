@@ -5,30 +5,59 @@ best total_token - 1 of all generated nodes are verified (methods/eagle/drafter.
 Uses the drafter trained by `bench train --method eagle` (`bench train --method eagle2`
 trains the same head).
 
-Options: total_token (draft nodes + root), depth (deepest level), top_k, drafter, dtype.
-The defaults are sized for a 2-core CPU, where a 16-token verification pass costs a few
-one-token steps (results/README.md, hardware profile; EAGLE's GPU default is 60 / 5 / 10).
+Options: see `Options` below. The defaults are sized for a 2-core CPU, where a 16-token
+verification pass costs a few one-token steps (results/README.md, hardware profile; EAGLE's
+GPU default is 60 / 5 / 10).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bench.core.decode import LoopDecoder
+from bench.core.options import Dtype, option, parse_options
 from methods.eagle import load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 
 METHOD = "eagle2"
+BUDGET_MAX_DEPTH = 8  # --budget's depth cap: each level is one head pass
 
 
-def dynamic_tree(options: dict) -> TreeSettings:
-    defaults = TreeSettings()
-    return TreeSettings(mode="dynamic", total_token=int(options.get("total_token", defaults.total_token)),
-                        depth=int(options.get("depth", defaults.depth)),
-                        top_k=int(options.get("top_k", defaults.top_k)))
+@dataclass(frozen=True)
+class Options:
+    """total_token: draft nodes + root (EAGLE's convention); depth: deepest draft level;
+    top_k: children per expanded node and frontier width; drafter: folder (ours or a
+    published one); dtype: the head's compute dtype (bfloat16 by default: it only proposes).
+    EAGLE-3 (methods/eagle3.py) takes the same options.
+
+    --budget K: total_token = K + 1 and depth = min(K, 8) (an explicit depth wins). At most
+    top_k + (depth-1) top_k^2 nodes are generated, so a large K with a shallow tree verifies
+    fewer than K."""
+
+    total_token: int = option(TreeSettings.total_token, min=2)
+    depth: int = option(TreeSettings.depth, min=1)
+    top_k: int = option(TreeSettings.top_k, min=1)
+    drafter: str | None = None
+    dtype: Dtype = "bfloat16"
+
+    BUDGET_SOFT = ("depth",)
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"total_token": budget + 1, "depth": min(budget, BUDGET_MAX_DEPTH)}
+
+    def draft_budget(self) -> int | None:
+        return self.total_token - 1
 
 
-def build(target, options: dict) -> LoopDecoder:
-    head, manifest = load_head(target, METHOD, options, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD), manifest["info"])
+def dynamic_tree(options: Options) -> TreeSettings:
+    return TreeSettings(mode="dynamic", total_token=options.total_token, depth=options.depth, top_k=options.top_k)
+
+
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    head, manifest = load_head(target, METHOD, opts, "eagle1")
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

@@ -12,16 +12,19 @@ projection's share of a target step is in results/README.md).
 from __future__ import annotations
 
 from bench.core.decode import LoopDecoder
+from bench.core.options import parse_options
 from methods.eagle import load_head
 from methods.eagle.drafter import EagleDrafter
-from methods.eagle2 import dynamic_tree
+from methods.eagle2 import Options, dynamic_tree
 
 METHOD = "eagle3"
+__all__ = ["METHOD", "Options", "build", "train"]  # Options: EAGLE-2's (total_token, depth, top_k, ...)
 
 
-def build(target, options: dict) -> LoopDecoder:
-    head, manifest = load_head(target, METHOD, options, "eagle3")
-    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(options), name=METHOD), manifest["info"])
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    head, manifest = load_head(target, METHOD, opts, "eagle3")
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
 
 
 def train(target, settings) -> dict:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from bench.core.decode import DecodeConfig, TurnResult
+from bench.core.options import parse_options
 from bench.core.target import load_hf_model
+
+
+@dataclass(frozen=True)
+class Options:
+    """None: any key is an error, and so is --budget (plain generate drafts nothing).
+    scripts/peers.py passes generate's own kwargs to HFDecoder directly."""
 
 
 class _FirstTokenClock:
@@ -73,5 +81,6 @@ class HFDecoder:
                           accept_lengths=[0] * rounds, tree_sizes=[0] * rounds)
 
 
-def build(target, options: dict) -> HFDecoder:
-    return HFDecoder(target, options)
+def build(target, options: dict | Options | None = None) -> HFDecoder:
+    parse_options(Options, options, "hf")
+    return HFDecoder(target)

@@ -17,13 +17,43 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
 from bench.core.engine import ForwardOutput
+from bench.core.options import option, parse_options
 from bench.core.verify import Verdict
+
+METHOD = "lookahead"
+
+
+@dataclass(frozen=True)
+class Options:
+    """ngram N, window W (Jacobi columns), guesses G (pooled n-grams verified per round), seed
+    (level 0's random prompt tokens).
+
+    --budget K: the verification branch holds at most G (N-1)-grams, i.e. G*(N-1) draft
+    nodes (fewer where they share prefixes), so N stays 5 and G = W = the nearest whole
+    K/4 (halves round up; W = G as the paper's defaults W = G = 7, i.e. K = 28); below 4,
+    N = K+1 and G = W = 1."""
+
+    ngram: int = option(5, min=2)
+    window: int = option(7, min=1)
+    guesses: int = option(7, min=0)
+    seed: int = 0
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        if budget < 4:
+            return {"ngram": budget + 1, "window": 1, "guesses": 1}
+        guesses = (budget + 2) // 4
+        return {"ngram": 5, "window": guesses, "guesses": guesses}
+
+    def draft_budget(self) -> int | None:
+        return self.guesses * (self.ngram - 1)
 
 
 class NgramPool:
@@ -118,7 +148,7 @@ class LookaheadDrafter(Drafter):
         self.levels.append(last_level)
 
 
-def build(target, options: dict) -> LoopDecoder:
-    return LoopDecoder(target, LookaheadDrafter(
-        ngram=int(options.get("ngram", 5)), window=int(options.get("window", 7)),
-        guesses=int(options.get("guesses", 7)), seed=int(options.get("seed", 0))))
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    return LoopDecoder(target, LookaheadDrafter(ngram=opts.ngram, window=opts.window, guesses=opts.guesses,
+                                                seed=opts.seed))

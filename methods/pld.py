@@ -4,10 +4,31 @@ of the last 3..1 tokens, first match from the left, up to 10 following tokens.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
+from bench.core.options import option, parse_options
+
+METHOD = "pld"
+
+
+@dataclass(frozen=True)
+class Options:
+    """max_ngram: longest suffix matched; num_pred_tokens: tokens copied after the match.
+    --budget K: num_pred_tokens = K (a chain of at most K drafts)."""
+
+    max_ngram: int = option(3, min=1)
+    num_pred_tokens: int = option(10, min=1)
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"num_pred_tokens": budget}
+
+    def draft_budget(self) -> int | None:
+        return self.num_pred_tokens
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, num_pred_tokens: int = 10) -> list[int]:
@@ -36,6 +57,6 @@ class PromptLookupDrafter(Drafter):
         return Draft.chain(lookup(state.tokens, self.max_ngram, self.num_pred_tokens))
 
 
-def build(target, options: dict) -> LoopDecoder:
-    return LoopDecoder(target, PromptLookupDrafter(int(options.get("max_ngram", 3)),
-                                                   int(options.get("num_pred_tokens", 10))))
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    return LoopDecoder(target, PromptLookupDrafter(opts.max_ngram, opts.num_pred_tokens))

@@ -16,6 +16,10 @@ The draft model is the SpS drafter (`bench train --method sps`, or --drafter PAT
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
 import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
@@ -23,11 +27,72 @@ from bench.core.draft import Draft
 from bench.core.drafters import find_drafter
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
+from bench.core.options import option, parse_options
 from bench.core.sampling import process_logits
 from bench.core.verify import WITHOUT_REPLACEMENT
 from methods.sps import load_draft_engine
 
+METHOD = "specinfer"
 MODES = ("topk", "sample", "sample_wor")
+# Generic chance that the draft's rank-r child is the target's token (no measurement is
+# stored for the SpS draft); it only ranks tree shapes for --budget.
+PRIOR_RANK_ACCURACY = (0.6, 0.15, 0.07, 0.04, 0.03)
+BUDGET_DEPTH = 4  # the default tree's depth: a level is one draft pass
+
+
+def tree_nodes(widths: tuple[int, ...]) -> int:
+    """Draft nodes of a tree with `widths` children per node at each depth."""
+    total, frontier = 0, 1
+    for width in widths:
+        frontier *= width
+        total += frontier
+    return total
+
+
+@cache
+def _shapes(nodes: int, depth: int) -> tuple[tuple[int, ...], ...]:
+    """Every widths tuple of at most `depth` levels with exactly `nodes` nodes:
+    nodes = w1 * (1 + nodes of the rest)."""
+    found = [(nodes,)]
+    if depth > 1:
+        for width in range(1, nodes):
+            if nodes % width == 0 and nodes // width > 1:
+                found += [(width, *rest) for rest in _shapes(nodes // width - 1, depth - 1)]
+    return tuple(found)
+
+
+def widths_for_budget(budget: int) -> tuple[int, ...]:
+    """The widths with exactly `budget` nodes, at most BUDGET_DEPTH levels, and the most
+    expected accepted drafts under PRIOR_RANK_ACCURACY (sum over depths of the product of
+    each level's top-w accuracy); ties to the shallower. Gives the default 2,2,2,1 for 22."""
+    def value(widths: tuple[int, ...]) -> float:
+        total, path = 0.0, 1.0
+        for width in widths:
+            path *= sum(PRIOR_RANK_ACCURACY[:width])
+            total += path
+        return total
+
+    return max(_shapes(budget, BUDGET_DEPTH), key=lambda w: (value(w), -len(w), w))
+
+
+@dataclass(frozen=True)
+class Options:
+    """widths: children per node at each depth; mode: topk | sample | sample_wor (see above);
+    drafter: the SpS draft model's folder (default: user-trained, then shipped).
+
+    --budget K: widths_for_budget(K), a tree of exactly K nodes at most 4 levels deep
+    (4 -> 1,1,1,1; 8 -> 2,1,1,1; 16 -> 4,1,1,1; 22 -> 2,2,2,1)."""
+
+    widths: tuple[int, ...] = option((2, 2, 2, 1), min=1)
+    mode: Literal["topk", "sample", "sample_wor"] = "topk"
+    drafter: str | None = None
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"widths": widths_for_budget(budget)}
+
+    def draft_budget(self) -> int | None:
+        return tree_nodes(self.widths)
 
 
 class SpecInferDrafter(Drafter):
@@ -102,18 +167,10 @@ class SpecInferDrafter(Drafter):
         return draft
 
 
-def build(target, options: dict) -> LoopDecoder:
-    known = {"widths", "mode", "drafter"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise BenchError(f"unknown specinfer option '{unknown[0]}' (known: {', '.join(sorted(known))})")
-    widths = options.get("widths", "2,2,2,1")
-    try:
-        widths = tuple(int(w) for w in (widths.split(",") if isinstance(widths, str) else widths))
-    except (TypeError, ValueError):
-        raise BenchError(f"specinfer widths must be integers like 2,2,2,1, got {widths!r}") from None
-    draft, _ = load_draft_engine(target, find_drafter(target.name, "sps", options.get("drafter")))
-    return LoopDecoder(target, SpecInferDrafter(draft, widths, str(options.get("mode", "topk"))))
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    draft, _ = load_draft_engine(target, find_drafter(target.name, "sps", opts.drafter))
+    return LoopDecoder(target, SpecInferDrafter(draft, opts.widths, opts.mode))
 
 
 def train(target, settings) -> dict:

@@ -12,10 +12,7 @@ it is cropped to the committed prefix it has seen, and the tokens it never produ
 The drafter comes from bench.core.drafters.find_drafter: a distilled draft LM
 (`bench train --method sps`) or any HF causal-LM folder with the same tokenizer.
 
-Options: gamma (int, default 3), schedule ("constant" | "heuristic": HF's rule, +2
-when all drafts were accepted, else -1, floor 1), max_gamma (cap for the heuristic),
-drafter (path), draft_dtype (default bfloat16: the draft only proposes, so its precision
-changes acceptance, never the output; on CPU it halves the draft's memory traffic).
+Options: see `Options` below.
 
 Why gamma 3 and a bf16 draft are the defaults is measured in results/README.md. The
 draft's lm_head (shared with the target's 49152-token vocabulary) is a large share of a
@@ -25,7 +22,9 @@ drafter has to beat AR.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -34,11 +33,40 @@ from bench.core.draft import Draft
 from bench.core.drafters import MANIFEST, WEIGHTS, check_tokenizer, find_drafter, open_drafter, read_weights
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
+from bench.core.options import Dtype, option, parse_options
 from bench.core.sampling import process_logits, sample_from
 from bench.core.verify import Verdict
 
 METHOD = "sps"
 SCHEDULES = ("constant", "heuristic")
+
+
+@dataclass(frozen=True)
+class Options:
+    """gamma: drafts per round; schedule: constant, or heuristic (HF's rule: +2 when all
+    drafts were accepted, else -1, floor 1) capped at max_gamma; drafter: folder (default:
+    user-trained, then shipped); draft_dtype: bfloat16 by default (the draft only proposes,
+    so its precision changes acceptance, never the output; on CPU it halves the draft's
+    memory traffic).
+
+    --budget K: gamma = K with the constant schedule."""
+
+    gamma: int = option(3, min=1)
+    schedule: Literal["constant", "heuristic"] = "constant"
+    max_gamma: int = option(16, min=1)
+    drafter: str | None = None
+    draft_dtype: Dtype = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.schedule == "heuristic" and self.gamma > self.max_gamma:
+            raise BenchError(f"sps gamma {self.gamma} exceeds max_gamma {self.max_gamma}")
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"gamma": budget, "schedule": "constant"}
+
+    def draft_budget(self) -> int | None:
+        return self.gamma if self.schedule == "constant" else None
 
 
 def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) -> tuple[Engine, dict]:
@@ -95,7 +123,7 @@ class SpsDrafter(Drafter):
     def __init__(self, draft: Engine, gamma: int = 3, schedule: str = "constant", max_gamma: int = 16) -> None:
         if schedule not in SCHEDULES:
             raise BenchError(f"sps schedule '{schedule}' unknown (choose from {', '.join(SCHEDULES)})")
-        if not 1 <= gamma <= max_gamma:
+        if gamma < 1 or (schedule == "heuristic" and gamma > max_gamma):
             raise BenchError(f"sps gamma must be in 1..{max_gamma}, got {gamma}")
         self.draft = draft
         self.initial_gamma = gamma
@@ -146,32 +174,16 @@ class SpsDrafter(Drafter):
                 self.gamma = max(1, self.gamma - 1)
 
 
-class SpsDecoder(LoopDecoder):
-    """LoopDecoder that also reports which drafter it used."""
-
-    def __init__(self, target, drafter: SpsDrafter, info: dict) -> None:
-        super().__init__(target, drafter)
-        self.info = info
-
-
-def build(target, options: dict) -> SpsDecoder:
-    known = {"gamma", "schedule", "max_gamma", "drafter", "draft_dtype"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise BenchError(f"unknown sps option '{unknown[0]}' (known: {', '.join(sorted(known))})")
-    folder = find_drafter(target.name, METHOD, options.get("drafter"))
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
     from bench.core.target import parse_dtype
 
-    dtype = parse_dtype(str(options.get("draft_dtype", "bfloat16")))
+    opts = parse_options(Options, options, METHOD)
+    folder = find_drafter(target.name, METHOD, opts.drafter)
+    dtype = parse_dtype(opts.draft_dtype)
     draft, info = load_draft_engine(target, folder, dtype)
-    try:
-        gamma, max_gamma = int(options.get("gamma", 3)), int(options.get("max_gamma", 16))
-    except (TypeError, ValueError):
-        raise BenchError("sps gamma and max_gamma must be integers") from None
-    drafter = SpsDrafter(draft, gamma=gamma, schedule=str(options.get("schedule", "constant")),
-                         max_gamma=max_gamma)
-    return SpsDecoder(target, drafter, dict(info, gamma=gamma, schedule=drafter.schedule,
-                                            draft_dtype=str(dtype).removeprefix("torch.")))
+    drafter = SpsDrafter(draft, gamma=opts.gamma, schedule=opts.schedule, max_gamma=opts.max_gamma)
+    return LoopDecoder(target, drafter, dict(info, gamma=opts.gamma, schedule=opts.schedule,
+                                             draft_dtype=str(dtype).removeprefix("torch.")))
 
 
 def train(target, settings) -> dict:

@@ -74,7 +74,10 @@ def _decoders(pair: str, target):
     peer_options = dict(peer_options)
     if "assistant_model" in peer_options:
         peer_options["assistant_model"] = hf_draft_model(target, find_drafter(target.name, "sps"))
-    return build_decoder(ours, target, dict(ours_options)), build_decoder(peer, target, peer_options)
+    # The peer is transformers.generate with its own kwargs, which `bench run --method hf` does not take.
+    from methods.hf import HFDecoder
+
+    return build_decoder(ours, target, dict(ours_options)), HFDecoder(target, peer_options)
 
 
 def compare(pair: str, target, prompts: list[list[int]], config: DecodeConfig, repeats: int) -> dict:

@@ -77,7 +77,8 @@ def test_strict_fails_on_a_real_mismatch(monkeypatch, tmp_path, tiny_task):
         return original(name, target, options)
 
     monkeypatch.setattr(registry, "build_decoder", build)
-    monkeypatch.setitem(registry.METHODS, "broken", registry.MethodInfo("broken", "-", "test only"))
+    # options as ar's (none): a run resolves them before building the decoder
+    monkeypatch.setitem(registry.METHODS, "broken", registry.MethodInfo("broken", "methods.ar", "test only"))
     args = ["run", "--method", "broken", "--task", str(tiny_task), "--limit", "1", "--max-new-tokens", "8",
             "--results-dir", str(tmp_path)]
     result = CliRunner().invoke(main, args + ["--strict"])

@@ -325,10 +325,10 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
         if len(calls) == 2:
             raise KeyboardInterrupt  # killed right after the step-2 checkpoint
 
-    monkeypatch.setattr(medusa, "export_heads", interrupted)
+    monkeypatch.setattr(medusa.training, "export_heads", interrupted)
     with pytest.raises(KeyboardInterrupt):
         medusa.train(tiny_target, _train_settings(tmp_path / "resumed", data, 4))
-    monkeypatch.setattr(medusa, "export_heads", real_export)
+    monkeypatch.setattr(medusa.training, "export_heads", real_export)
     resumed = medusa.train(tiny_target, _train_settings(tmp_path / "resumed", data, 4))
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
     from safetensors.torch import load_file
@@ -461,10 +461,10 @@ def test_bad_drafters_fail_in_one_line(tiny_target, tmp_path):
 
     good = save_ours(tmp_path / "good", tiny_target, random_heads(64, 2))
     fails({"drafter": str(good), "beam": 3}, "unknown medusa option 'beam'")
-    fails({"drafter": str(good), "acceptance": "loose"}, "acceptance 'loose'")
+    fails({"drafter": str(good), "acceptance": "loose"}, "acceptance must be exact\\|typical, got 'loose'")
     fails({"drafter": str(good), "choices": "[[0], [2, 1]]"}, "lacks its parent")
     fails({"drafter": str(good), "choices": "[[0], [0, 0], [0, 0, 0]]"}, "ranks")
-    fails({"drafter": str(good), "tree_size": 0}, "tree_size must be >= 1")
+    fails({"drafter": str(good), "tree_size": 0}, "tree_size must be int >= 1")
     fails({"drafter": str(good), "posterior_alpha": 2}, "posterior_alpha")
 
 

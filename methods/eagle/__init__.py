@@ -9,15 +9,12 @@ token tree; training (methods/eagle/training.py) uses cached target features.
     bench run --method eagle --task mtbench
     bench run --method eagle2 ...         # same head, dynamic tree (methods/eagle2.py)
 
-Options: drafter (folder; ours or a published EAGLE folder), tree_nodes (static tree size,
-default 10), paths (explicit static tree, e.g. "0;1;0.0;0.1"), dtype (the head's and
-its lm_head's compute dtype, default bfloat16: a draft level reads the whole lm_head, so
-half the bytes is about half the time; the drafter only proposes, so its precision changes
-acceptance, never the output).
+Options: see `Options` below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +22,7 @@ import torch
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import WEIGHTS, drafter_info, find_drafter, load_weights_into, open_drafter, read_weights
 from bench.core.errors import BenchError
+from bench.core.options import Dtype, option, parse_options
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead
 
@@ -33,12 +31,56 @@ DEFAULT_STATIC_NODES = 10
 UNMEASURED_RANK_ACCURACY = [0.6, 0.15, 0.07, 0.04, 0.03]
 
 
-def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead, dict]:
-    """The head for `target` from options["drafter"], the user's cache or the shipped folder."""
+def parse_paths(text: str) -> tuple[tuple[int, ...], ...]:
+    """"0;1;0.0" -> ((0,), (1,), (0, 0)): rank paths, each with its parent path."""
+    try:
+        paths = tuple(tuple(int(r) for r in part.split(".")) for part in text.split(";") if part)
+    except ValueError:
+        raise BenchError(f"bad tree paths '{text}' (e.g. 0;1;0.0;0.1)") from None
+    if not paths:
+        raise BenchError("tree paths are empty (e.g. 0;1;0.0;0.1)")
+    for path in paths:
+        if min(path) < 0:
+            raise BenchError(f"static tree path {path} has a negative rank")
+        if len(path) > 1 and path[:-1] not in paths:
+            raise BenchError(f"static tree path {path} has no parent path {path[:-1]}")
+    return paths
+
+
+@dataclass(frozen=True)
+class Options:
+    """drafter: folder (ours or a published EAGLE folder); tree_nodes: static tree size;
+    paths: an explicit static tree, e.g. "0;1;0.0;0.1" (overrides tree_nodes); dtype: the
+    head's and its lm_head's compute dtype, bfloat16 by default (a draft level reads the
+    whole lm_head, so half the bytes is about half the time; the drafter only proposes, so
+    its precision changes acceptance, never the output).
+
+    --budget K: tree_nodes = K (paths may not be given)."""
+
+    drafter: str | None = None
+    tree_nodes: int = option(DEFAULT_STATIC_NODES, min=1)
+    paths: str | None = None
+    dtype: Dtype = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.paths is not None:
+            parse_paths(self.paths)  # a bad tree fails before the target loads
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"tree_nodes": budget, "paths": None}
+
+    def draft_budget(self) -> int | None:
+        return len(parse_paths(self.paths)) if self.paths is not None else self.tree_nodes
+
+
+def load_head(target, method: str, options, kind: str) -> tuple[EagleHead, dict]:
+    """The head for `target` from options.drafter, the user's cache or the shipped folder
+    (`options`: any method's Options with drafter and dtype)."""
     from methods.eagle.published import is_published, load_published
 
-    folder = find_drafter(target.name, method if method != "eagle2" else "eagle", options.get("drafter"))
-    dtype = getattr(torch, str(options.get("dtype", "bfloat16")))
+    folder = find_drafter(target.name, method if method != "eagle2" else "eagle", options.drafter)
+    dtype = getattr(torch, options.dtype)
     if is_published(folder):
         head, manifest = load_published(target, Path(folder), kind)
         manifest = dict(manifest, info=drafter_info(folder, manifest))
@@ -56,30 +98,21 @@ def load_head(target, method: str, options: dict, kind: str) -> tuple[EagleHead,
     return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
 
 
-def parse_paths(text: str) -> tuple[tuple[int, ...], ...]:
-    try:
-        return tuple(tuple(int(r) for r in part.split(".")) for part in text.split(";") if part)
-    except ValueError:
-        raise BenchError(f"bad tree paths '{text}' (e.g. 0;1;0.0;0.1)") from None
-
-
-def static_tree(manifest: dict, options: dict) -> TreeSettings:
-    if "paths" in options:
-        paths = parse_paths(str(options["paths"]))
+def static_tree(manifest: dict, options: Options) -> TreeSettings:
+    if options.paths is not None:
+        paths = parse_paths(options.paths)
     else:
         # Measured per-rank accuracy of this head, else a generic decaying profile
         # (published heads carry no measurement).
         accuracy = manifest.get("heldout_rank_accuracy", {}).get("step0") or UNMEASURED_RANK_ACCURACY
-        paths = tuple(tree_from_accuracy(accuracy, int(options.get("tree_nodes", DEFAULT_STATIC_NODES))))
-    for path in paths:
-        if len(path) > 1 and path[:-1] not in paths:
-            raise BenchError(f"static tree path {path} has no parent path {path[:-1]}")
+        paths = tuple(tree_from_accuracy(accuracy, options.tree_nodes))
     return TreeSettings(mode="static", paths=paths)
 
 
-def build(target, options: dict) -> LoopDecoder:
-    head, manifest = load_head(target, METHOD, options, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, options), name=METHOD),
+def build(target, options: dict | Options | None = None) -> LoopDecoder:
+    opts = parse_options(Options, options, METHOD)
+    head, manifest = load_head(target, METHOD, opts, "eagle1")
+    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, opts), name=METHOD),
                        manifest["info"])
 
 

@@ -30,11 +30,7 @@ Files: model.py (the modules, their shape and training-time recursion), drafter.
 (decode-time drafting and caches), store.py (the drafter folder: name, format, loading),
 loss.py (the fused distillation loss), training.py (`bench train --method mtp`).
 
-Decoding options: variant (sequential | parallel; default sequential, or the manifest's
-for an explicit --drafter), depth (chain length; default 4 sequential, number of heads
-parallel), sample (0 | 1: at T > 0 draw drafts from the module's warped q and record it
-for the min(1, p/q) rule; default 0 = argmax drafts, q one-hot, exact at any
-temperature), draft_dtype (default bfloat16: the drafter only proposes), drafter (path).
+Decoding options: see `Options` below.
 
 Training recipe (its duration is in results/README.md): `bench train --method mtp
 --max-len 512 --batch-size 4 --lr 5e-4 --warmup-steps 20 --max-steps 600 --threads 1`
@@ -51,56 +47,62 @@ difference that short; the last layer stays the default (see training.init_model
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import WEIGHTS
-from bench.core.errors import BenchError
-from methods.mtp.drafter import MtpDrafter, make_drafter
-from methods.mtp.model import VARIANTS
+from bench.core.options import Dtype, option, parse_options
+from methods.mtp.drafter import MAX_DEPTH, make_drafter
 from methods.mtp.store import METHOD, find_folder, load_model
 
 if TYPE_CHECKING:
     from bench.core.target import Target
     from bench.core.training import TrainSettings
 
-__all__ = ["METHOD", "MtpDecoder", "build", "train"]
+__all__ = ["METHOD", "Options", "build", "train"]
 
 
-class MtpDecoder(LoopDecoder):
-    """LoopDecoder that also reports which drafter it used."""
+@dataclass(frozen=True)
+class Options:
+    """variant: sequential | parallel (default sequential, or the manifest's for an explicit
+    drafter); depth: chain length (default 4 sequential, every head parallel; parallel
+    allows at most its heads); sample: at T > 0 draw drafts from the module's warped q and
+    record it for the min(1, p/q) rule (default false: argmax drafts, q one-hot, exact at
+    any temperature); draft_dtype: bfloat16 by default (the drafter only proposes);
+    drafter: folder.
 
-    def __init__(self, target: Target, drafter: MtpDrafter, info: dict) -> None:
-        super().__init__(target, drafter)
-        self.info = info
+    --budget K: depth = K."""
+
+    variant: Literal["sequential", "parallel"] | None = None
+    depth: int | None = option(None, min=1, max=MAX_DEPTH)
+    sample: bool = False
+    drafter: str | None = None
+    draft_dtype: Dtype = "bfloat16"
+
+    @classmethod
+    def budget_knobs(cls, budget: int) -> dict:
+        return {"depth": budget}
+
+    def draft_budget(self) -> int | None:
+        return self.depth
 
 
-def build(target: Target, options: dict) -> MtpDecoder:
+def build(target: Target, options: dict | Options | None = None) -> LoopDecoder:
     """`bench run --method mtp`: the decoding options above, then the drafter they name."""
     from bench.core.target import parse_dtype
 
-    known = {"variant", "depth", "sample", "drafter", "draft_dtype"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise BenchError(f"unknown mtp option '{unknown[0]}' (known: {', '.join(sorted(known))})")
-    variant = options.get("variant")
-    if variant is not None and variant not in VARIANTS:
-        raise BenchError(f"mtp variant '{variant}' unknown (choose from {', '.join(VARIANTS)})")
-    try:
-        depth = int(options["depth"]) if "depth" in options else None
-        sample = bool(int(options.get("sample", 0)))
-    except (TypeError, ValueError):
-        raise BenchError("mtp depth and sample must be integers") from None
-    dtype = parse_dtype(str(options.get("draft_dtype", "bfloat16")))
-    folder = find_folder(target, variant, options.get("drafter"))
-    model, manifest = load_model(target, folder, variant)
-    drafter = make_drafter(target, model, manifest, depth, sample, dtype)
+    opts = parse_options(Options, options, METHOD)
+    dtype = parse_dtype(opts.draft_dtype)
+    folder = find_folder(target, opts.variant, opts.drafter)
+    model, manifest = load_model(target, folder, opts.variant)
+    drafter = make_drafter(target, model, manifest, opts.depth, opts.sample, dtype)
     training = manifest.get("training", {})
-    info = {"drafter": str(folder), "variant": manifest["variant"], "depth": drafter.depth, "sample": sample,
+    info = {"drafter": str(folder), "variant": manifest["variant"], "depth": drafter.depth, "sample": opts.sample,
             "tap": manifest.get("tap"), "draft_dtype": str(dtype).removeprefix("torch."),
             "trained_steps": training.get("steps"), "heldout_acc": training.get("heldout", {}).get("acc"),
             "weights_sha1": hashlib.sha1((folder / manifest.get("weights", WEIGHTS)).read_bytes()).hexdigest()[:12]}
-    return MtpDecoder(target, drafter, info)
+    return LoopDecoder(target, drafter, info)
 
 
 def train(target: Target, settings: TrainSettings) -> dict:
