@@ -174,7 +174,11 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     rows = per_task[(per_task["method"] != BASELINE) & per_task["tree_size"].gt(0)]
     if rows.empty:
         return Skipped(name, title, "no drafting method in the selection")
-    rows = rows.assign(label=labels(rows))
+    # x: the run's draft budget (recorded with --budget; for older records read from the method's
+    # options); a method without a fixed one (an adaptive schedule or tree) sits at its measured
+    # mean draft size, drawn hollow.
+    budget = rows["budget"] if "budget" in rows else pd.Series(float("nan"), index=rows.index)
+    rows = rows.assign(label=labels(rows), x=budget.fillna(rows["tree_size"]), nominal=budget.notna())
     fig = _figure(5.5, 3.6)
     markers = "osD^v<>ph*"
     tasks = list(rows["task"].unique())
@@ -184,23 +188,27 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
         # series may differ in more than the budget, so points are not joined.
         seen: set[str] = set()
         for _, row in rows.iterrows():
-            ax.scatter(row["tree_size"], row["tau"], color=_color(row["method"]),
-                       marker=markers[tasks.index(row["task"]) % len(markers)], edgecolor="black", linewidth=0.3,
+            color = _color(row["method"])
+            ax.scatter(row["x"], row["tau"], facecolors=color if row["nominal"] else "none",
+                       edgecolors="black" if row["nominal"] else color,
+                       marker=markers[tasks.index(row["task"]) % len(markers)], linewidth=0.3 if row["nominal"] else 1,
                        label=None if row["method"] in seen else row["method"])
             seen.add(row["method"])
             if rows["series"].nunique() > 1:
-                ax.annotate(str(row["series"]), (row["tree_size"], row["tau"]), fontsize=5, xytext=(3, 2),
+                ax.annotate(str(row["series"]), (row["x"], row["tau"]), fontsize=5, xytext=(3, 2),
                             textcoords="offset points")
         for task in tasks:
             ax.scatter([], [], marker=markers[tasks.index(task) % len(markers)], color="grey", label=task)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ScalarFormatter())  # 4, 8, 16 rather than 2^2 or 4x10^0
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("draft nodes verified per round (mean tree size, log scale)")
+        ax.set_xlabel("draft budget: draft tokens verified per round (log scale)")
         ax.set_ylabel("τ (tokens per round)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, out, name, title, "One point per method, task and series; a method run with several draft "
-                 "budgets (method options, tags) gives several points, each labelled with its series.")
+    return _save(fig, out, name, title, "One point per method, task and series at its draft budget (draft tokens "
+                 "verified per round: `bench run --budget K`, or what the method's options amount to); hollow: no "
+                 "fixed budget (an adaptive schedule or tree), at its measured mean draft size. A method run with "
+                 "several budgets (tags) gives several points, each labelled with its series.")
 
 
 def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:

@@ -371,6 +371,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
     """One row per (target, series, method[, task | category]).
     by: "task" (a row per run), "overall" (turns pooled over tasks), "category"
     (MT-bench and Spec-Bench split by question category)."""
+    from bench.registry import recorded_budget
+
     names = {"task": ["target", "series", "task", "method"], "overall": ["target", "series", "method"],
              "category": ["target", "series", "task", "category", "method"]}[by]
     groups: dict[tuple, dict] = {}
@@ -383,7 +385,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         for category, turns in parts:
             values = {"target": run.target, "series": run.series, "task": run.task, "category": category,
                       "method": run.method}
-            group = groups.setdefault(tuple(values[n] for n in names), {"method": [], "base": [], "tasks": set()})
+            group = groups.setdefault(tuple(values[n] for n in names), {"method": [], "base": [], "tasks": set(),
+                                                                        "budget": recorded_budget(run.settings)})
             group["method"] += turns
             group["tasks"].add(run.task)
             if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
@@ -392,6 +395,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
     for key, group in groups.items():
         row = dict(zip(names, key))
         row["tasks"] = ", ".join(sorted(group["tasks"]))
+        # Draft tokens verified per round as run (--budget, or read from the options): NaN where not fixed.
+        row["budget"] = float("nan") if group["budget"] is None else group["budget"]
         row.update(summarize_group(group["method"], group["base"] or None))
         rows.append(row)
     frame = pd.DataFrame(rows)
