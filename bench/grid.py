@@ -145,16 +145,18 @@ def write_manifest(path: Path, manifest: dict) -> None:
 def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: str = "results",
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
-             dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False) -> list[Cell]:
-    """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status."""
+             dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
+             budget: int | None = None) -> list[Cell]:
+    """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
+    `budget`: every method's --budget (draft tokens verified per round)."""
     from bench.core.provenance import git_sha
     from bench.core.target import load_target
-    from bench.registry import build_decoder, get_method
+    from bench.registry import build_decoder, resolve_options
     from bench.run import RunSettings, check_device, record_settings, run
     from tasks import load_task, task_name
 
     for method in methods:
-        get_method(method)  # a typo fails before anything loads
+        resolve_options(method, {}, budget)  # a typo, or a budget a method cannot take, fails before anything loads
     check_device(device)
     target = load_target(target_spec, device, dtype)
     base_decoder = build_decoder(BASELINE, target)
@@ -195,9 +197,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             settings = RunSettings(method=method, task=task, target=target_spec, max_new_tokens=max_new_tokens,
                                    device=device, dtype=dtype, limit=selection.get("limit"),
                                    per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
-                                   results_dir=results_dir, repeat=repeat)
+                                   results_dir=results_dir, repeat=repeat, budget=budget)
             try:
-                decoder = build_decoder(method, target, settings.method_options)
+                decoder = build_decoder(method, target, resolve_options(method, settings.method_options, budget))
             except BenchError as exc:  # e.g. no trained drafter for this target
                 cell.status = f"not run: {exc}"
                 echo(f"[grid] {method} on {name}: {cell.status}")
@@ -257,9 +259,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="whole passes of the grid (pass k > 1: tag <tag>.rep<k>); speedups get their spread over passes")
 @click.option("--remeasure-contended", is_flag=True,
               help="set aside a method's records with turns that shared the CPU with another job, and run it again")
+@click.option("--budget", type=click.IntRange(min=1), default=None,
+              help="every method's draft tokens verified per round (bench run --budget); use its own --tag")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         repeats, remeasure_contended, dry_run) -> None:
+         repeats, remeasure_contended, budget, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
@@ -270,7 +274,7 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
-                         repeats=repeats, remeasure_contended=remeasure_contended)
+                         repeats=repeats, remeasure_contended=remeasure_contended, budget=budget)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

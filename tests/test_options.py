@@ -219,3 +219,24 @@ def test_a_run_with_bad_options_writes_nothing(tiny_task, tmp_path, no_target_lo
     result = run_cli(tiny_task, "sps", "--option", "gamma=0", "--results-dir", str(tmp_path / "r"))
     assert_one_line(result, "sps option gamma must be int >= 1, got 0")
     assert not (tmp_path / "r").exists()
+
+
+def test_the_grid_takes_a_budget(monkeypatch, tmp_path, tiny_task, no_target_load):
+    import bench.run
+    from bench.grid import run_grid
+
+    with pytest.raises(BenchError, match="ar takes no --budget"):  # before the target loads
+        run_grid({str(tiny_task): {}}, ["pld", "ar"], "g", str(tmp_path), budget=4, echo=lambda line: None)
+    target = SimpleNamespace(name="tiny", fingerprint="f", engine=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    built, ran = [], []
+    monkeypatch.setattr(bench.core.target, "load_target", lambda *a, **k: target)
+    def build(name, target, options=None):
+        built.append((name, options))
+        return SimpleNamespace(lossless=True)
+
+    monkeypatch.setattr(registry, "build_decoder", build)
+    monkeypatch.setattr(bench.run, "run", lambda settings: ran.append(settings))
+    run_grid({str(tiny_task): {}}, ["dflash"], "g", str(tmp_path), budget=4, echo=lambda line: None)
+    assert ("dflash", registry.resolve_options("dflash", {"block": 4})) in built
+    assert [s.budget for s in ran] == [4]
+    assert record_settings(ran[0], "dflash", target, SimpleNamespace(lossless=True))["budget"] == 4
