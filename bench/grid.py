@@ -34,8 +34,8 @@ from pathlib import Path
 import click
 
 from bench.core.errors import BenchError
+from bench.records import BASELINE, RunFile, check_tag, records_path, revision_tag
 
-BASELINE = "ar"
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
 DEFAULT_PLAN: dict[str, dict] = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10},
                                  "gsm8k": {"limit": 10}, "specbench": {"per_category": 1}}
@@ -67,21 +67,14 @@ def _normalized(settings: dict) -> dict:
 
 
 def _first_settings(path: Path) -> dict | None:
-    """The settings a record file was started with; None when it cannot be read (a corrupt
-    file is never appended to: it gets a new revision too)."""
-    from bench.records import read_records
-
-    try:
-        headers, _ = read_records(path)
-    except BenchError:
-        return None
-    return headers[0].get("settings") if headers else None
+    """The settings a record file was started with; None when it has no (readable) header:
+    such a file is never appended to, it gets a new revision too."""
+    run = RunFile(path)
+    return run.headers[0]["settings"] if run.headers else None
 
 
 def cell_paths(results_dir: str | Path, target: str, task: str, method: str, tag: str) -> tuple[Path, Path]:
     """(method records, baseline records) of one cell under one tag."""
-    from bench.records import records_path
-
     return (records_path(Path(results_dir), target, task, method, tag),
             records_path(Path(results_dir), target, task, BASELINE, tag))
 
@@ -92,7 +85,7 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
     with exactly the settings this run would record, or that do not exist yet."""
     revision = 1
     while True:
-        candidate = tag if revision == 1 else f"{tag}.r{revision}"
+        candidate = revision_tag(tag, revision)
         pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted))
         if all(not path.exists() or _first_settings(path) == settings for path, settings in pairs):
             return candidate
@@ -100,24 +93,17 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
 
 
 def _done_keys(path: Path) -> set[tuple[str, int]]:
-    from bench.records import read_records
-
-    if not path.exists():
-        return set()
-    try:
-        _, turns = read_records(path)
-    except BenchError:
-        return set()
-    return {(str(t["question_id"]), int(t["turn"])) for t in turns if t.get("type") == "turn"}
+    """The (question, turn) keys a record file holds (bench.records' rule)."""
+    return RunFile(path).keys if path.exists() else set()
 
 
 def set_aside_if_contended(path: Path) -> int:
     """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
-    from bench.tables import contended_turns, read_lenient
+    from bench.tables import contended_turns
 
     if not path.exists():
         return 0
-    slow = len(contended_turns(read_lenient(path, [])[1]))
+    slow = len(contended_turns(RunFile(path).pooled))
     if slow:
         aside, number = path.with_name(path.name + ".contended"), 1
         while aside.exists():
@@ -266,6 +252,7 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
          repeats, remeasure_contended, budget, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
+        check_tag(tag, revision_ok=False)
         plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
         unknown = [t for t in tasks if t not in plan]
         if unknown:
@@ -278,6 +265,9 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
+        sys.exit(130)
     for cell in cells:
         click.echo(f"{cell.task:<10} {cell.method:<10} {cell.records:<8} {cell.turns:>4}/{cell.expected_turns:<4} "
                    f"{cell.status}")

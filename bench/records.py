@@ -1,22 +1,37 @@
-"""Run records: one JSONL file per (target, task, method[-tag]), append-only.
+"""Run records: one JSONL file per (target, task, method[-tag]), append-only, and everything
+about them: the file class (`RunFile`, for runs and reports alike), the turn schema, the tag
+grammar, the baseline's name.
 
-Line 1 and every resumed invocation that writes start with a `header` record (provenance and the
-settings); each finished turn is one `turn` record, written and fsync'd as soon as the
-turn ends, so an interruption loses at most the turn in flight. Rerunning the same
-command skips finished turns. A header whose settings differ from the file's first
-header is refused: finished work is never mixed with, or overwritten by, other settings.
+Every invocation that writes starts with a `header` record (provenance and the settings),
+written together with its first turn; each finished turn is one `turn` record, written and
+fsync'd as soon as the turn ends, so an interruption loses at most the turn in flight and
+leaves no header without a turn. Rerunning the same command skips finished turns (after
+checking that the recorded prompt is the one it would ask). A header whose settings differ
+from the file's first header is refused: finished work is never mixed with, or overwritten
+by, other settings.
+
+Reading, one rule everywhere (runs, reports, summaries, the grid): a line that is not UTF-8,
+not JSON, not an object (bench.core.jsonl), neither a header nor a turn, fails the schema,
+or repeats a (question, turn) already read is left out and reported; an unfinished last line
+(a write in flight, or one cut by a crash) is left out and reported; nothing else is dropped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from bench.core.errors import BenchError
+from bench.core.jsonl import parse_jsonl
 from bench.core.provenance import provenance
+
+BASELINE = "ar"  # the method every speedup is measured against; it runs beside every other
 
 
 def records_path(results_dir: Path, target: str, task: str, method: str, tag: str | None = None) -> Path:
@@ -24,10 +39,21 @@ def records_path(results_dir: Path, target: str, task: str, method: str, tag: st
     return Path(results_dir) / target / task / f"{name}.jsonl"
 
 
-# Repeat k > 1 of a series is a whole second pass (method and its AR baseline, interleaved
-# again) kept in its own files, `<method>-<tag>.rep<k>.jsonl`: finished repeats are never
-# appended to, and a report pairs each method turn with the baseline turn of its own repeat.
-REPEAT = re.compile(r"^(?:(?P<tag>.+)\.)?rep(?P<repeat>\d+)$")
+# ---------------------------------------------------------------- tag grammar
+#
+# A record file is `<method>[-<tag>].jsonl`; a tag is `<series>[.r<N>][.rep<k>]`:
+# - `.r<N>` (N >= 2): revision N of the series, started by bench.grid when settings or drafter
+#   changed instead of touching finished records; a report shows the newest revision.
+# - `.rep<k>` (k >= 2): repeat k, a whole second pass (method and its AR baseline, interleaved
+#   again) of `bench run --repeats`, kept in its own files; a report pools the repeats of a
+#   series and pairs each method turn with the baseline turn of its own repeat.
+# Only canonical suffixes count (no r1, rep1, leading zeros), so every tag names one
+# (series, revision, repeat). Users may not end a tag in either suffix (check_tag).
+
+REPEAT = re.compile(r"^(?:(?P<tag>.+)\.)?rep(?P<repeat>[2-9]|[1-9]\d+)$")
+REVISION = re.compile(r"^(?P<series>.+)\.r(?P<rev>[2-9]|[1-9]\d+)$")
+RESERVED = re.compile(r"(?:^|\.)rep\d+$")
+RESERVED_REVISION = re.compile(r"\.r\d+$")
 
 
 def repeat_tag(tag: str | None, repeat: int) -> str | None:
@@ -39,145 +65,432 @@ def repeat_tag(tag: str | None, repeat: int) -> str | None:
     return f"{tag}.rep{repeat}" if tag else f"rep{repeat}"
 
 
+def revision_tag(tag: str, revision: int) -> str:
+    """The tag of revision `revision` (1-based) of series `tag`."""
+    return tag if revision == 1 else f"{tag}.r{revision}"
+
+
 def split_repeat(tag: str | None) -> tuple[str, int]:
     """(tag of repeat 1, repeat number) of a recorded tag: "grid.rep2" -> ("grid", 2)."""
     match = REPEAT.match(tag or "")
     return (match["tag"] or "", int(match["repeat"])) if match else (tag or "", 1)
 
 
-_HELD: dict[str, object] = {}  # record-file locks this process holds (bench.records.RunFile.claim)
+def split_revision(tag: str) -> tuple[str, int]:
+    """(series, revision) of a tag without its repeat: "grid.r2" -> ("grid", 2)."""
+    match = REVISION.match(tag)
+    return (match["series"], int(match["rev"])) if match else (tag, 1)
+
+
+def parse_tag(tag: str | None) -> tuple[str, int, int]:
+    """(series, revision, repeat) of a recorded tag: "grid.r2.rep3" -> ("grid", 2, 3)."""
+    rest, repeat = split_repeat(tag)
+    series, revision = split_revision(rest)
+    return series, revision, repeat
+
+
+def check_tag(tag: str | None, revision_ok: bool = True) -> None:
+    """Refuse a user's tag that the grammar would read as a repeat (or, unless `revision_ok`,
+    a revision) of another series, or that is not a plain file-name part."""
+    if tag is None:
+        return
+    if not tag or tag.startswith(".") or any(c in tag for c in "/\\\0") or tag != tag.strip():
+        raise BenchError(f"tag '{tag}' cannot be part of a file name (no '/', no leading '.', not empty)")
+    if RESERVED.search(tag):
+        raise BenchError(f"tag '{tag}' ends in 'rep<k>', which marks repeat k of another series "
+                         "(bench run --repeats makes those); choose another tag")
+    if not revision_ok and RESERVED_REVISION.search(tag):
+        raise BenchError(f"tag '{tag}' ends in '.r<N>', which marks revision N of another series "
+                         "(the grid makes those); choose another tag")
+
+
+# ---------------------------------------------------------------- schema
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _number_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, list) and all(_int(v) for v in value)
+
+
+def _utilization(value: object) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, dict):
+        return False
+    return (isinstance(value.get("kind", ""), str) and _number_or_none(value.get("util_mean"))
+            and all(value.get(k) is None or _int(value[k]) and value[k] > 0 for k in ("threads", "cpus"))
+            and isinstance(value.get("series", []), list)
+            and all(isinstance(p, list) and len(p) == 2 and all(_number_or_none(x) and x is not None for x in p)
+                    for p in value.get("series", [])))
+
+
+# What a turn record holds, one check per field: every reader (resume, report, summary, grid)
+# leaves out a turn that fails it, and RunFile never writes one.
+TURN_SCHEMA = {
+    "question_id": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "turn": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "prompt_hash": (lambda v: isinstance(v, str), "a string"),
+    "tokens": (_ints, "a list of integers"),
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "ttft": (_seconds, "seconds (a finite number >= 0)"),
+    "decode_time": (_seconds, "seconds (a finite number >= 0)"),
+    "draft_time": (_seconds, "seconds (a finite number >= 0)"),
+    "verify_time": (_seconds, "seconds (a finite number >= 0)"),
+    "proposed_lengths": (_ints, "a list of integers"),
+    "accept_lengths": (_ints, "a list of integers"),
+    "tree_sizes": (_ints, "a list of integers"),
+}
+OPTIONAL_SCHEMA = {
+    "category": (lambda v: isinstance(v, str), "a string"),
+    "prompt_len": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "stop_reason": (lambda v: isinstance(v, str), "a string"),
+    "rounds": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "repeat": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "utilization": (_utilization, "null or {kind, util_mean, threads, cpus, series}"),
+    "exact_match": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "near_tie": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "first_divergence": (lambda v: v is None or _int(v), "an integer or null"),
+    "divergence_margin": (_number_or_none, "a number or null"),
+}
+
+
+def turn_problem(record: dict) -> str | None:
+    """Why `record` is not a valid turn record (missing or mistyped fields), or None."""
+    missing = [k for k in TURN_SCHEMA if k not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    wrong = [f"{k} is not {what}" for schema in (TURN_SCHEMA, OPTIONAL_SCHEMA) for k, (ok, what) in schema.items()
+             if k in record and not ok(record[k])]
+    return "; ".join(wrong) or None
+
+
+@dataclass
+class Problem:
+    """Something left out, missing or partial, shown in the report's "missing / partial"
+    section (and by bench.summary, bench run as warnings)."""
+    kind: str
+    where: str
+    detail: str
+
+
+# ---------------------------------------------------------------- the record file
+
+_HELD: dict[str, int] = {}  # record-file locks this process holds: lock path -> open descriptor
+
+
+def _lock(path: Path) -> None:
+    """Take `<file>.lock` for this process (once; held until it ends), or a one-line error."""
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = str(lock_path.resolve())
+        if key in _HELD:  # a second RunFile of this process on the same file shares the lock
+            return
+        handle = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BenchError(f"cannot write results to {path.parent}: {exc.strerror}") from None
+    try:
+        import fcntl
+
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # no fcntl (Windows): no guard against a second writer
+        pass
+    except BlockingIOError:
+        os.close(handle)
+        raise BenchError(f"{path} is being written by another run right now ({lock_path.name} is "
+                         "held); run again when it is done: finished turns are kept") from None
+    _HELD[key] = handle
+
+
+def lock_unfinished(path: Path, keys: set[tuple[str, int]]) -> None:
+    """Take the lock of a record file that still lacks some of the (question, turn) `keys`,
+    before anything loads, so a second writer is refused at once; a file that holds them all
+    stays free to read for others."""
+    if not keys <= RunFile(path).keys:
+        _lock(Path(path))
 
 
 class RunFile:
-    """Append-only JSONL records with resume. `settings` must match across invocations.
+    """One record file, `<results>/<target>/<task>/<method>[-<tag>].jsonl`.
 
-    Reading is free; writing turns needs `claim()`, an exclusive lock on `<file>.lock` held
-    until the process ends, so two runs can share a finished file (two grids reading one AR
-    baseline) but never both append the same turns. The header goes in with the first turn."""
+    Opening reads it (the module's one rule: every line left out is in `problems`). Given
+    the `settings` of a run, it is also the run's file: those must match the file's first
+    header, and writing turns needs `claim()`, an exclusive lock on `<file>.lock` held until
+    the process ends, so two runs can share a finished file (two grids reading one AR
+    baseline) but never both append the same turns."""
 
-    def __init__(self, path: Path, settings: dict, device: str) -> None:
+    def __init__(self, path: Path, settings: dict | None = None, device: str = "cpu") -> None:
         self.path = Path(path)
+        self.target, self.task = self.path.parent.parent.name, self.path.parent.name
         # Compare settings as they read back from JSON (tuples become lists, keys strings).
-        settings = json.loads(json.dumps(settings))
-        self.settings = settings
-        self.turns: dict[tuple[str, int], dict] = {}
-        self._lock = None
+        self._wanted = None if settings is None else json.loads(json.dumps(settings))
         self._device = device
-        try:  # fail before any decoding when the results cannot be written
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
-        if self.path.exists():
-            self._check_settings(self._load(repair=False))
+        self._claimed = False
+        self._header_due = True  # an invocation's header goes in with its first turn
+        if self._wanted is not None:
+            try:  # fail before any decoding when the results cannot be written
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
+        self._read(repair=False, missing_ok=self._wanted is not None)
+        if self._wanted is not None:
+            self._check_settings()
+            self._warn()
 
-    def _check_settings(self, first_header: dict | None) -> None:
-        if first_header is not None and first_header.get("settings") != self.settings:
-            changed = sorted(k for k in set(self.settings) | set(first_header.get("settings", {}))
-                             if self.settings.get(k) != first_header["settings"].get(k))
-            raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
+    # -- naming
+
+    @cached_property
+    def method(self) -> str:
+        stem = self.path.stem
+        method = self.headers[0]["settings"].get("method") if self.headers else None
+        if not isinstance(method, str) or not method or (stem != method and not stem.startswith(method + "-")):
+            method = stem.split("-", 1)[0]
+        return method
+
+    @property
+    def tag(self) -> str:
+        """"" when untagged."""
+        return self.path.stem[len(self.method) + 1:]
+
+    @property
+    def series(self) -> str:
+        return parse_tag(self.tag)[0]
+
+    @property
+    def revision(self) -> int:
+        return parse_tag(self.tag)[1]
+
+    @property
+    def repeat(self) -> int:
+        """1, or k for a file of tag `<tag>.rep<k>`."""
+        return parse_tag(self.tag)[2]
+
+    @property
+    def settings(self) -> dict:
+        """The run's settings, or (read only) those the file was started with."""
+        if self._wanted is not None:
+            return self._wanted
+        return self.headers[0]["settings"] if self.headers else {}
+
+    @property
+    def keys(self) -> set[tuple[str, int]]:
+        return set(self._done)
+
+    @cached_property
+    def pooled(self) -> list[dict]:
+        """The turns as reports pool them over tasks and repeats: the question id prefixed
+        with the task (ids repeat across suites: gsm8k and specbench both count from 1) and the
+        repeat from the file (bench.metrics pairs a turn with the baseline turn of the same
+        question, turn and repeat), and `_threads`, the torch threads of the invocation that
+        recorded it (bench.tables.contended_turns)."""
+        return [{**t, "question_id": f"{self.task}/{t['question_id']}", "repeat": self.repeat,
+                 "_threads": self._threads.get((t["question_id"], t["turn"]))} for t in self.turns]
+
+    # -- reading
+
+    def _read(self, repair: bool, missing_ok: bool = False) -> None:
+        """Read headers and turns. With `repair` (only under the lock: it may be another run's
+        write in flight otherwise) an unfinished last line is cut off: a crash left it."""
+        self.headers: list[dict] = []
+        self.turns: list[dict] = []
+        self.problems: list[Problem] = []
+        self._done: dict[tuple[str, int], dict] = {}
+        self._threads: dict[tuple[str, int], object] = {}
+        self.__dict__.pop("pooled", None)
+        self.__dict__.pop("method", None)
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            if missing_ok:
+                return
+            self.problems.append(Problem("unreadable", str(self.path), "no such file"))
+            return
+        except OSError as exc:
+            if self._wanted is not None:
+                raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
+            self.problems.append(Problem("unreadable", str(self.path), exc.strerror or str(exc)))
+            return
+        lines = parse_jsonl(raw, growing=True)
+        if lines.unfinished:
+            if repair:
+                print(f"[bench] {self.path}: dropping an unfinished last record ({lines.unfinished} bytes)",
+                      file=sys.stderr)
+                try:
+                    with open(self.path, "r+b") as handle:
+                        handle.truncate(len(raw) - lines.unfinished)
+                except OSError as exc:
+                    raise BenchError(f"cannot repair {self.path}: {exc.strerror}") from None
+            else:
+                self.problems.append(Problem("unfinished", str(self.path), "last line has no newline (a run still "
+                                             "writing, or one cut by a crash); that record is left out"))
+        for number, why in lines.skipped:
+            self.problems.append(Problem("corrupt", f"{self.path}:{number}", f"{why}; line left out"))
+        for number, record in lines.rows:
+            where = f"{self.path}:{number}"
+            kind = record.get("type")
+            if kind == "header":
+                if isinstance(record.get("settings"), dict) and isinstance(record.get("provenance", {}), dict):
+                    self.headers.append(record)
+                else:
+                    self.problems.append(Problem("corrupt", where, "a header without its settings; line left out"))
+            elif kind == "turn":
+                why = turn_problem(record)
+                key = None if why else (record["question_id"], record["turn"])
+                if why:
+                    self.problems.append(Problem("malformed turn", where, f"{why}; turn left out"))
+                elif key in self._done:
+                    self.problems.append(Problem(
+                        "duplicate", where, f"turn {key[1]} of question {key[0]} again (repeat {self.repeat}); "
+                        "the first is kept, this line left out"))
+                else:
+                    self._done[key] = record
+                    self._threads[key] = self._header_threads()
+                    self.turns.append(record)
+            else:
+                self.problems.append(Problem("corrupt", where, "neither a header nor a turn; line left out"))
+
+    def _header_threads(self) -> object:
+        """Torch threads of the invocation (the last header) a turn is recorded under."""
+        return (self.headers[-1].get("provenance") or {}).get("torch_threads") if self.headers else None
+
+    def _warn(self) -> None:
+        for problem in self.problems:
+            print(f"[bench] {problem.kind}: {problem.where}: {problem.detail}", file=sys.stderr)
+
+    def _check_settings(self) -> None:
+        if not self.headers or self.headers[0]["settings"] == self._wanted:
+            return
+        first = self.headers[0]["settings"]
+        changed = sorted(k for k in set(self._wanted) | set(first) if self._wanted.get(k) != first.get(k))
+        raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
+                         "use --tag to start a separate record file")
+
+    # -- resume and writing
+
+    def done(self, question_id: str, turn: int, prompt_hash: str | None = None) -> dict | None:
+        """The recorded turn, if any. With `prompt_hash`, a turn recorded for another prompt
+        (another question file of the same name, an edited question) is refused."""
+        record = self._done.get((question_id, turn))
+        if record is not None and prompt_hash is not None and record["prompt_hash"] != prompt_hash:
+            raise BenchError(f"{self.path}: turn {turn} of question {question_id} was recorded for another prompt "
+                             f"(prompt hash {record['prompt_hash']}, now {prompt_hash}): the question changed; "
                              "use --tag to start a separate record file")
+        return record
 
     def claim(self) -> None:
         """Take the file for writing (once): lock it, then read back what other runs recorded
         before the lock, so no turn is decoded or written twice."""
-        if self._lock is not None:
+        if self._claimed:
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BenchError(f"cannot write results to {self.path.parent}: {exc.strerror}") from None
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        key = str(lock_path.resolve())
-        if key not in _HELD:  # a second RunFile of this process on the same file shares the lock
-            handle = open(lock_path, "w")  # noqa: SIM115 - held open: the lock lives as long as the process
-            try:
-                import fcntl
-
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except ImportError:  # no fcntl (Windows): no guard against a second writer
-                pass
-            except BlockingIOError:
-                handle.close()
-                raise BenchError(f"{self.path} is being written by another run right now ({lock_path.name} is "
-                                 "held); run again when it is done: finished turns are kept") from None
-            _HELD[key] = handle
-        self._lock = _HELD[key]
-        self.turns = {}
-        if self.path.exists():
-            self._check_settings(self._load(repair=True))
-        # Every invocation that writes leaves its provenance before its turns.
-        self._append({"type": "header", "settings": self.settings, "provenance": provenance(self._device)})
-
-    def _load(self, repair: bool) -> dict | None:
-        """Read finished turns. An unfinished last line is skipped; with `repair` (only under
-        the lock: it may be another run's write in flight otherwise) it is cut off: a crash
-        left it."""
-        try:
-            raw = self.path.read_bytes()
-            if raw and not raw.endswith(b"\n"):
-                cut = raw.rfind(b"\n") + 1
-                if repair:
-                    print(f"[bench] {self.path}: dropping an unfinished last record ({len(raw) - cut} bytes)",
-                          file=sys.stderr)
-                    with open(self.path, "r+b") as handle:
-                        handle.truncate(cut)
-                raw = raw[:cut]
-        except OSError as exc:
-            raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
-        header = None
-        for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if record.get("type") == "header" and header is None:
-                    header = record
-                elif record.get("type") == "turn":
-                    self.turns[(str(record["question_id"]), int(record["turn"]))] = record
-            except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
-                raise BenchError(f"{self.path}:{number}: corrupt record; move the file away "
-                                 "or fix that line") from None
-        return header
-
-    def _append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-
-    def done(self, question_id: str, turn: int) -> dict | None:
-        return self.turns.get((question_id, turn))
+        _lock(self.path)
+        self._claimed = True
+        self._read(repair=True, missing_ok=True)
+        self._check_settings()
+        self._header_due = True
 
     def add_turn(self, record: dict) -> None:
+        if self._wanted is None:
+            raise BenchError(f"{self.path} was opened for reading only")
         self.claim()
         record = {"type": "turn", **record}
-        key = (str(record["question_id"]), int(record["turn"]))
-        if key in self.turns:
+        why = turn_problem(record)
+        if why:
+            raise BenchError(f"{self.path}: refusing to record a malformed turn ({why})")
+        key = (record["question_id"], record["turn"])
+        if key in self._done:
             raise BenchError(f"{self.path}: turn {key[1]} of question {key[0]} is already recorded; not appending "
                              "it twice")
-        self._append(record)
-        self.turns[key] = record
+        lines = [record]
+        if self._header_due:  # every invocation that writes leaves its provenance before its turns
+            lines.insert(0, {"type": "header", "settings": self._wanted, "provenance": provenance(self._device)})
+        self._append(lines)
+        self._header_due = False
+        if len(lines) == 2:
+            self.headers.append(lines[0])
+        self._done[key] = record
+        self._threads[key] = self._header_threads()
+        self.turns.append(record)
+        self.__dict__.pop("pooled", None)
+
+    def _append(self, records: list[dict]) -> None:
+        """Whole lines or nothing: one write, fsync'd; on a failure the file is cut back."""
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        try:
+            handle = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise BenchError(f"cannot write results to {self.path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(handle).st_size
+            written = 0
+            while written < len(data):
+                written += os.write(handle, data[written:])
+            os.fsync(handle)
+        except OSError as exc:
+            try:
+                os.ftruncate(handle, size)
+                kept = "the file is as it was"
+            except OSError:
+                kept = "a partial last line may remain: the next run drops it"
+            raise BenchError(f"cannot append to {self.path}: {exc.strerror}; this turn was not recorded "
+                             f"({kept}); finished turns are kept") from None
+        finally:
+            os.close(handle)
 
 
 def read_records(path: Path) -> tuple[list[dict], list[dict]]:
-    """(headers, turns) of a record file, for reports and metrics.
+    """(headers, turns) of a record file, read by the module's rule (what it leaves out is in
+    RunFile(path).problems)."""
+    run = RunFile(path)
+    if any(p.kind == "unreadable" for p in run.problems):
+        raise BenchError(f"cannot read records {path}: {run.problems[0].detail}")
+    return run.headers, run.turns
 
-    A last line without its newline is a record still being written (or cut by a crash)
-    and is skipped, so reports can read a file while a run appends to it."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BenchError(f"cannot read records {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    lines = text.split("\n")[:-1]  # the piece after the last newline is unfinished (or empty)
-    headers, turns = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+
+def read_run(path: Path, problems: list[Problem]) -> RunFile | None:
+    """A record file for reports and summaries, its problems added to `problems`; None (a
+    problem says why) when it has no header or no finished turn: such a file has no row."""
+    run = RunFile(path)
+    problems += run.problems
+    if not run.headers:
+        if not any(p.kind == "unreadable" for p in run.problems):
+            problems.append(Problem("no header", str(path), "no settings or provenance recorded; file left out"))
+        return None
+    if not run.turns:
+        problems.append(Problem("empty", str(path), "header only: no finished turn (a run stopped in its first "
+                                "turn, or every turn was left out); file left out"))
+        return None
+    first = run.headers[0]["settings"]
+    others = [i for i, h in enumerate(run.headers[1:], start=2) if h["settings"] != first]
+    if others:  # RunFile refuses this; a hand-edited file could still hold it
+        problems.append(Problem("mixed settings", str(path), f"headers {others} differ from the first; "
+                                "numbers pool runs of different settings"))
+    return run
+
+
+def pool_repeats(runs: list[RunFile]) -> tuple[list[RunFile], list[Problem]]:
+    """The repeats of one series (one method, task, revision) that may be pooled: those
+    recorded with the settings of the lowest repeat; any other is left out, as a problem."""
+    if not runs:
+        return [], []
+    runs = sorted(runs, key=lambda r: r.repeat)
+    first = runs[0].settings
+    kept, problems = [runs[0]], []
+    for run in runs[1:]:
+        if run.settings == first:
+            kept.append(run)
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise BenchError(f"{path}:{number}: corrupt record") from None
-        if not isinstance(record, dict):
-            raise BenchError(f"{path}:{number}: corrupt record")
-        (headers if record.get("type") == "header" else turns).append(record)
-    return headers, turns
+        changed = sorted(k for k in set(first) | set(run.settings) if first.get(k) != run.settings.get(k))
+        problems.append(Problem("mixed settings", str(run.path), f"repeat {run.repeat} was recorded with other "
+                                f"settings ({', '.join(changed)}) than {runs[0].path.name}; left out of the pool"))
+    return kept, problems

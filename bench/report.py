@@ -4,8 +4,13 @@ table in README.md, the references in results/README.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import os
+import shutil
 from pathlib import Path
 
+from bench.core.errors import BenchError
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
 from bench.tables import (
@@ -55,12 +60,31 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tags or None)
     tables = build_tables(records)
     out = Path(out)
-    written = write_tables(tables, out, records)
-    figures = make_figures(records, tables, out)
-    written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
     selection = {"results": str(results_dir), "target": list(targets) or "all", "task": list(tasks) or "all",
                  "method": list(methods) or "all", "tag": list(tags) or "all"}
-    html_path = write_html(out / "report.html", render(records, tables, figures, selection))
+    # Everything is written into a folder beside `out` first and moved in file by file once
+    # whole, so a full disk or an unwritable folder leaves `out` as it was (and one line).
+    stage = out.parent / f".{out.name}.partial"
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way")
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+        written = write_tables(tables, stage, records)
+        figures = make_figures(records, tables, stage)
+        written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
+        write_html(stage / "report.html", render(records, tables, figures, selection))
+        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+            (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, out / path.relative_to(stage))
+    except OSError as exc:
+        raise BenchError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    written = [out / p.relative_to(stage) for p in written]
+    figures = [dataclasses.replace(f, png=out / f.png.relative_to(stage), svg=out / f.svg.relative_to(stage))
+               if isinstance(f, Figured) else f for f in figures]
+    html_path = out / "report.html"
     if readme is not None:
         command = "bench report" + "".join(f" --{k} {v}" for k, values in (("target", targets), ("task", tasks),
                                            ("method", methods), ("tag", tags)) for v in values)

@@ -11,6 +11,7 @@ speedup can be given with its spread over repeats.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,10 +24,8 @@ from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
 from bench.core.target import chat_prompt
 from bench.monitor import UtilizationMonitor
-from bench.records import RunFile, records_path, repeat_tag
+from bench.records import BASELINE, RunFile, check_tag, lock_unfinished, records_path, repeat_tag
 from tasks import Question, load_task, task_name
-
-BASELINE = "ar"
 
 
 @dataclass
@@ -82,13 +81,14 @@ class Side:
     def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
                target, config: DecodeConfig, baseline: Side | None) -> str:
         """Run (or read back) one turn; returns the reply text for the conversation."""
-        done = self.records.done(question.question_id, turn)
+        prompt = chat_prompt(target.tokenizer, messages)
+        done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
         if done is None:
             self.records.claim()  # another run may have recorded it before this one took the file
-            done = self.records.done(question.question_id, turn)
+            done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
         if done is not None:
             return done["text"]
-        prompt = chat_prompt(target.tokenizer, messages)
+        check_context(target, len(prompt), config.max_new_tokens, question.question_id, turn)
         device = str(target.engine.device)
         generator = torch.Generator(device=target.engine.device)
         generator.manual_seed(turn_seed(settings.seed, question.question_id, turn))
@@ -175,6 +175,22 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
     }
 
 
+def check_context(target, prompt_len: int, max_new_tokens: int, question_id: str, turn: int) -> None:
+    """Refuse a turn whose prompt and new tokens do not fit the target's context."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context and prompt_len + max_new_tokens > context:
+        raise BenchError(f"question {question_id} turn {turn}: its prompt ({prompt_len} tokens) and --max-new-tokens "
+                         f"({max_new_tokens}) exceed the target's context of {context} tokens; leave the question out "
+                         "(--category, --limit) or lower --max-new-tokens")
+
+
+def check_sampling(sampling: SamplingConfig) -> None:
+    """NaN passes every range check (comparisons with it are false): refuse it here."""
+    for name, value in (("--temperature", sampling.temperature), ("--top-p", sampling.top_p)):
+        if not math.isfinite(value):
+            raise BenchError(f"{name} must be a finite number, not {value}")
+
+
 def check_device(device: str | None) -> None:
     """A bad --device is bad input: say so in one line instead of a torch traceback."""
     if device is None:
@@ -209,22 +225,28 @@ def run(settings: RunSettings, repeats: int = 1) -> dict:
 
 def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     """One interleaved pass over the task: {side: (its finished turns, its record file)}."""
-    from bench.core.target import load_target, parse_dtype
+    from bench.core.target import load_target, parse_dtype, resolve_target
     from bench.registry import build_decoder, resolve_options
 
     # Fail fast on a typo, a bad option or budget, before loading anything.
     options = resolve_options(settings.method, settings.method_options, settings.budget)
     check_device(settings.device)
+    check_sampling(settings.sampling)
+    check_tag(settings.tag)
     parse_dtype(settings.dtype)
     questions = load_task(settings.task, settings.data_dir, settings.limit, settings.categories,
                           settings.per_category)
     if not questions:
         raise BenchError(f"task '{settings.task}' selected no questions")
+    results_dir, task = Path(settings.results_dir), task_name(settings.task)
+    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+    # A second writer is refused now, before the model loads; a finished file stays free to read.
+    for name in {settings.method, *([BASELINE] if settings.baseline else [])}:
+        lock_unfinished(records_path(results_dir, resolve_target(settings.target)[0], task, name,
+                                     settings.records_tag), keys)
     target = load_target(settings.target, settings.device, settings.dtype)
     config = DecodeConfig(max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                           eos_token_ids=tuple(target.eos_token_ids))
-    results_dir = Path(settings.results_dir)
-    task = task_name(settings.task)
     decoder = build_decoder(settings.method, target, options)
     path = records_path(results_dir, target.name, task, settings.method, settings.records_tag)
     method_side = Side(settings.method, decoder,
@@ -238,7 +260,10 @@ def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
                              RunFile(base_path, record_settings(settings, BASELINE, target, base_decoder),
                                      str(target.engine.device)))
     sides = [s for s in (baseline_side, method_side) if s is not None]
-    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+    for question in questions:  # every first turn that will run fits the context (later turns: Side.answer)
+        if any(side.records.done(question.question_id, 1) is None for side in sides):
+            prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
+            check_context(target, len(prompt), config.max_new_tokens, question.question_id, 1)
     if any(side.records.done(*key) is None for side in sides for key in keys):
         warm_up(sides, target, config)  # nothing to time when every turn is read back
     total_turns = sum(len(q.turns) for q in questions)
@@ -254,8 +279,8 @@ def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
                                         baseline_side if side is method_side else None)
                     messages.append({"role": "assistant", "content": reply})
                 progress.update(1)
-    return {side.name: ([r for k, r in side.records.turns.items() if k in keys], str(side.records.path))
-            for side in sides}
+    return {side.name: ([t for t in side.records.turns if (t["question_id"], t["turn"]) in keys],
+                        str(side.records.path)) for side in sides}
 
 
 def format_summary(summary: dict, positions: int = 6) -> str:

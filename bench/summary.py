@@ -13,8 +13,8 @@ import click
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import split_repeat
-from bench.tables import RESULTS_README, contended_turns, read_lenient, update_readme
+from bench.records import BASELINE, Problem, pool_repeats, read_run, split_repeat
+from bench.tables import RESULTS_README, contended_turns, update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
@@ -25,11 +25,13 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
         if not task_dir.is_dir() or task_dir.name == "peers":
             continue
         files = series_files(task_dir, tag)
-        base = _turns(files.get("ar", []))
+        base = _turns(files.get(BASELINE, []))
         for method, paths in sorted(files.items()):
-            if method == "ar":
+            if method == BASELINE:
                 continue
             turns = _turns(paths)
+            if not turns:  # every file left out: the warnings say why
+                continue
             row = metrics.summarize(turns, base)
             rounds = sum(len(t["accept_lengths"]) for t in turns)
             rows.append({"task": task_dir.name, "method": method, **row,
@@ -57,13 +59,14 @@ def _contended(turns: list[dict]) -> int:
 
 
 def _turns(files: list[tuple[int, Path]]) -> list[dict]:
-    turns = []
-    for repeat, path in files:
-        problems: list = []
-        turns += [{**t, "repeat": repeat} for t in read_lenient(path, problems)[1]]
-        for problem in problems:  # shown, not fatal: `bench report` lists them too
-            click.echo(f"warning: {problem.where}: {problem.detail}", err=True)
-    return turns
+    """The turns of a series' files (bench.records' rule), its repeats pooled when recorded
+    with the same settings; what is left out is shown, not fatal: `bench report` lists it too."""
+    problems: list[Problem] = []
+    runs = [run for _, path in files if (run := read_run(path, problems)) is not None]
+    runs, mixed = pool_repeats(runs)
+    for problem in problems + mixed:
+        click.echo(f"warning: {problem.kind}: {problem.where}: {problem.detail}", err=True)
+    return [turn for run in runs for turn in run.pooled]
 
 
 def nodes_per_accepted(turns: list[dict]) -> float:

@@ -1,17 +1,19 @@
 """Run records -> tables (Markdown, LaTeX, CSV): what `bench report` and `bench.summary` show.
 
-Records are read leniently: a corrupt line, an unfinished last line, a malformed turn, a
-method without its baseline, a run that covers fewer turns than its baseline or than the
-grid planned: each becomes a `Problem` listed in the report, never a silent drop and never
-a crash. Every number is computed by bench.metrics from the kept turn records.
+Records are read by bench.records' one rule: a line left out (corrupt, malformed, a
+duplicate turn), an unfinished last line, a file with no finished turn, a method without its
+baseline, a run that covers fewer turns than its baseline or than the grid planned: each
+becomes a `Problem` listed in the report, never a silent drop and never a crash. Every
+number is computed by bench.metrics from the kept turn records.
 
-Series and revisions: a record file is `<method>-<tag>.jsonl`. A tag `X.rN` is revision N
-of series X (bench.grid starts one when settings or drafter changed, instead of touching
-finished records); per (task, method) a report shows the newest revision and lists the
-older ones as superseded. A method's speedup is always against the AR baseline of the same
-tag, i.e. the run it was interleaved with. Repeats (`X.rep2`, `X.r2.rep3`: bench.records) of
-the newest revision are pooled, each turn paired within its own repeat, and the tables give
-the speedup's spread over repeats beside its bootstrap interval.
+Series and revisions (the tag grammar: bench.records): a record file is
+`<method>-<tag>.jsonl`. A tag `X.rN` is revision N of series X (bench.grid starts one when
+settings or drafter changed, instead of touching finished records); per (task, method) a
+report shows the newest revision and lists the older ones as superseded. A method's speedup
+is always against the AR baseline of the same tag, i.e. the run it was interleaved with.
+Repeats (`X.rep2`, `X.r2.rep3`) of the newest revision recorded with the same settings are
+pooled, each turn paired within its own repeat, and the tables give the speedup's spread over
+repeats beside its bootstrap interval.
 """
 
 from __future__ import annotations
@@ -26,40 +28,9 @@ import pandas as pd
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import split_repeat
+from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run
 
-BASELINE = "ar"
-REQUIRED = ("question_id", "turn", "tokens", "ttft", "decode_time", "draft_time", "verify_time",
-            "proposed_lengths", "accept_lengths", "tree_sizes")
 CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
-REVISION = re.compile(r"^(?P<series>.*)\.r(?P<rev>\d+)$")
-
-
-@dataclass
-class Problem:
-    """Something missing or partial, shown in the report's "missing / partial" section."""
-    kind: str
-    where: str
-    detail: str
-
-
-@dataclass
-class RunFile:
-    """One record file as read (lenient)."""
-    path: Path
-    target: str
-    task: str
-    method: str
-    tag: str  # "" when untagged
-    series: str
-    revision: int
-    repeat: int  # 1, or k for a file of tag `<tag>.rep<k>`
-    headers: list[dict]
-    turns: list[dict]  # valid turn records, question_id prefixed with the task (see _key)
-
-    @property
-    def settings(self) -> dict:
-        return self.headers[0].get("settings", {}) if self.headers else {}
 
 
 @dataclass
@@ -75,7 +46,7 @@ class Records:
         behind every pooled figure, for whoever wants other statistics."""
         rows = []
         for run in self.runs:
-            for record in run.turns:
+            for record in run.pooled:
                 util = record.get("utilization") or {}
                 rounds = len(record["accept_lengths"])
                 rows.append({"target": run.target, "task": run.task, "tag": run.tag, "method": run.method,
@@ -88,77 +59,6 @@ class Records:
                              "exact_match": record.get("exact_match"), "near_tie": record.get("near_tie"),
                              "util_kind": util.get("kind"), "util_mean": util.get("util_mean")})
         return pd.DataFrame(rows)
-
-
-def split_tag(tag: str) -> tuple[str, int]:
-    match = REVISION.match(tag)
-    return (match["series"], int(match["rev"])) if match else (tag, 1)
-
-
-def read_lenient(path: Path, problems: list[Problem]) -> tuple[list[dict], list[dict]]:
-    """(headers, turns); bad lines become problems instead of errors."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        problems.append(Problem("unreadable", str(path), str(getattr(exc, "strerror", None) or exc)))
-        return [], []
-    pieces = text.split("\n")
-    if pieces[-1].strip():
-        problems.append(Problem("unfinished", str(path), "last line has no newline (a run still writing, or "
-                                "one cut by a crash); that record is left out"))
-    headers, turns = [], []
-    threads = None  # torch threads of the invocation (header) a turn was recorded under
-    for number, line in enumerate(pieces[:-1], start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(Problem("corrupt", f"{path}:{number}", f"not JSON ({exc.msg}); line left out"))
-            continue
-        if not isinstance(record, dict):
-            problems.append(Problem("corrupt", f"{path}:{number}", "not a JSON object; line left out"))
-        elif record.get("type") == "header":
-            headers.append(record)
-            threads = (record.get("provenance") or {}).get("torch_threads")
-        elif record.get("type") == "turn":
-            missing = [k for k in REQUIRED if k not in record]
-            if missing:
-                problems.append(Problem("malformed turn", f"{path}:{number}",
-                                        f"missing {', '.join(missing)}; turn left out"))
-            else:
-                turns.append({**record, "_threads": threads})
-        else:
-            problems.append(Problem("corrupt", f"{path}:{number}", "neither a header nor a turn; line left out"))
-    return headers, turns
-
-
-def _key(task: str, repeat: int, record: dict) -> dict:
-    """Question ids repeat across suites (gsm8k and specbench both count from 1): prefix the
-    task so turns pooled over tasks still pair with their own baseline turn; the repeat comes
-    from the file (bench.metrics pairs on it)."""
-    return {**record, "question_id": f"{task}/{record['question_id']}", "repeat": repeat}
-
-
-def _read_run(path: Path, target: str, task: str, problems: list[Problem]) -> RunFile | None:
-    headers, turns = read_lenient(path, problems)
-    stem = path.stem
-    method = (headers[0].get("settings", {}).get("method") if headers else None) or stem.split("-", 1)[0]
-    if stem != method and not stem.startswith(method + "-"):
-        method = stem.split("-", 1)[0]
-    tag = stem[len(method) + 1:]
-    if not headers:
-        problems.append(Problem("no header", str(path), "no settings or provenance recorded; file left out"))
-        return None
-    first = headers[0].get("settings")
-    others = [i for i, h in enumerate(headers[1:], start=2) if h.get("settings") != first]
-    if others:  # RunFile refuses this; a hand-edited file could still hold it
-        problems.append(Problem("mixed settings", str(path), f"headers {others} differ from the first; "
-                                "numbers pool runs of different settings"))
-    revision_tag, repeat = split_repeat(tag)
-    series, revision = split_tag(revision_tag)
-    return RunFile(path, target, task, method, tag, series, revision, repeat, headers,
-                   [_key(task, repeat, t) for t in turns])
 
 
 def _selected(value: str, wanted: tuple[str, ...] | None) -> bool:
@@ -186,20 +86,23 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
             if not _selected(task_dir.name, tasks):
                 continue
             for path in sorted(task_dir.glob("*.jsonl")):
-                run = _read_run(path, target_dir.name, task_dir.name, problems)
-                method, _, tag = path.stem.partition("-")  # a file without a header still counts as seen
-                method, tag = (run.method, run.tag) if run else (method, tag)
-                if not _selected(method, methods) or not _selected(split_tag(split_repeat(tag)[0])[0], tags):
+                file_problems: list[Problem] = []
+                run = read_run(path, file_problems)
+                method, _, tag = path.stem.partition("-")  # a file left out still counts as seen
+                method, series = (run.method, run.series) if run else (method, parse_tag(tag)[0])
+                if not _selected(method, methods) or not _selected(series, tags):
                     continue
                 seen += 1
+                problems += file_problems
                 if run is not None:
                     found.setdefault((run.target, run.task, run.method, run.series), []).append(run)
     runs, superseded = [], []
     for revisions in found.values():
         revisions.sort(key=lambda r: (r.revision, r.repeat))
-        newest = next((r for r in reversed(revisions) if r.turns), revisions[-1]).revision
-        kept = [r for r in revisions if r.revision == newest]  # with all of its repeats
+        newest = revisions[-1].revision
+        kept, mixed = pool_repeats([r for r in revisions if r.revision == newest])  # with its repeats
         runs += kept
+        problems += mixed
         for old in revisions:
             if old.revision != newest:
                 superseded.append(old)
@@ -261,9 +164,7 @@ def _check_coverage(records: Records) -> None:
     by_key = {(r.target, r.task, r.series, r.method, r.repeat): r for r in records.runs}
     for run in records.runs:
         where = str(run.path)
-        keys = {(t["question_id"], t["turn"]) for t in run.turns}
-        if not run.turns:
-            records.problems.append(Problem("empty", where, "header only: no finished turn"))
+        keys = {(t["question_id"], t["turn"]) for t in run.pooled}
         if run.method != BASELINE:
             base = by_key.get((run.target, run.task, run.series, BASELINE, run.repeat))
             if base is None:
@@ -273,7 +174,7 @@ def _check_coverage(records: Records) -> None:
                 records.problems.append(Problem("no baseline", where, f"its baseline revision {BASELINE}-{run.tag} "
                                                 f"is missing (newest is {base.path.name}): no speedup"))
             else:
-                base_keys = {(t["question_id"], t["turn"]) for t in base.turns}
+                base_keys = {(t["question_id"], t["turn"]) for t in base.pooled}
                 if base_keys - keys:
                     records.problems.append(Problem(
                         "partial", where, f"{len(keys & base_keys)} of the {len(base_keys)} turns its baseline has; "
@@ -294,9 +195,9 @@ def _check_coverage(records: Records) -> None:
             run = by_key.get((manifest["target"], cell.get("task"), manifest["tag"], cell.get("method"),
                               cell.get("repeat", 1)))
             expected = cell.get("expected_turns")
-            if run is not None and expected and len(run.turns) < expected:
+            if run is not None and expected and len(run.pooled) < expected:
                 records.problems.append(Problem("partial", str(run.path),
-                                                f"{len(run.turns)} of the {expected} turns the grid planned"))
+                                                f"{len(run.pooled)} of the {expected} turns the grid planned"))
 
 
 # A CPU turn whose process got less than this share of the CPU its threads got elsewhere in
@@ -323,11 +224,11 @@ def contended_turns(turns: list[dict]) -> list[dict]:
 
 def _check_contention(records: Records) -> None:
     for run in records.runs:
-        slow = contended_turns(run.turns)
+        slow = contended_turns(run.pooled)
         if slow:
             shown = ", ".join(f"{t['question_id'].split('/', 1)[1]}/{t['turn']}" for t in slow[:8])
             records.problems.append(Problem(
-                "contended", str(run.path), f"{len(slow)} of {len(run.turns)} turns got under "
+                "contended", str(run.path), f"{len(slow)} of {len(run.pooled)} turns got under "
                 f"{CONTENDED_SHARE:.0%} of the CPU their threads got elsewhere in the run (another job shared the "
                 f"cores): their times, and the speedups that use them, read slow ({shown}"
                 + (" ..." if len(slow) > 8 else "") + ")"))
@@ -380,8 +281,9 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         if by == "category" and run.task not in CATEGORY_TASKS:
             continue
         base = _base_for(records, run)
-        parts = [(c, [t for t in run.turns if t.get("category", "") == c])
-                 for c in sorted({t.get("category", "") for t in run.turns})] if by == "category" else [("", run.turns)]
+        parts = [(c, [t for t in run.pooled if t.get("category", "") == c])
+                 for c in sorted({t.get("category", "") for t in run.pooled})] if by == "category" \
+            else [("", run.pooled)]
         for category, turns in parts:
             values = {"target": run.target, "series": run.series, "task": run.task, "category": category,
                       "method": run.method}
@@ -390,7 +292,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             group["method"] += turns
             group["tasks"].add(run.task)
             if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
-                group["base"] += base.turns
+                group["base"] += base.pooled
     rows = []
     for key, group in groups.items():
         row = dict(zip(names, key))

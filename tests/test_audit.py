@@ -10,6 +10,7 @@ import bench.registry as registry
 import bench.run as run_module
 from bench.cli import main
 from bench.core.decode import Drafter, LoopDecoder
+from tasks import task_name
 
 
 class _Records:
@@ -84,7 +85,8 @@ def test_strict_fails_on_a_real_mismatch(monkeypatch, tmp_path, tiny_task):
     result = CliRunner().invoke(main, args + ["--strict"])
     assert result.exit_code == 1, result.output
     assert "1 real mismatches" in result.output
-    turns = [json.loads(line) for line in (tmp_path / "smollm2-135m" / tiny_task.stem / "broken.jsonl").open()]
+    records = tmp_path / "smollm2-135m" / task_name(str(tiny_task)) / "broken.jsonl"
+    turns = [json.loads(line) for line in records.open()]
     first = next(t for t in turns if t["type"] == "turn")
     assert first["exact_match"] is False and first["first_divergence"] == 2 and first["near_tie"] is False
     relaxed = CliRunner().invoke(main, args)  # without --strict: reported, exit 0

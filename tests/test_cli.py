@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import bench.core.target
 from bench.cli import main
+from tasks import task_name
 
 
 def invoke(*args: str):
@@ -103,7 +104,7 @@ def test_unwritable_results_dir(tiny_task, tmp_path):
 
 
 def test_settings_mismatch_on_resume(tiny_task, tmp_path):
-    path = tmp_path / "smollm2-135m" / "tiny" / "ar.jsonl"
+    path = tmp_path / "smollm2-135m" / task_name(str(tiny_task)) / "ar.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"type": "header", "settings": {"method": "ar", "max_new_tokens": 999}}) + "\n")
     result = invoke("run", "--method", "ar", "--task", str(tiny_task), "--device", "cpu",
@@ -117,7 +118,8 @@ def test_run_prints_summary(tiny_task, tmp_path):
                     "--max-new-tokens", "3", "--results-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "tau" in result.stdout and "records (ar):" in result.stdout
-    turns = [json.loads(line) for line in (tmp_path / "smollm2-135m" / "tiny" / "ar.jsonl").read_text().splitlines()]
+    records = tmp_path / "smollm2-135m" / task_name(str(tiny_task)) / "ar.jsonl"
+    turns = [json.loads(line) for line in records.read_text().splitlines()]
     assert [t.get("question_id") for t in turns if t["type"] == "turn"] == ["q2"]
 
 

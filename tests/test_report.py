@@ -302,6 +302,7 @@ def fake_bench(monkeypatch):
 
 def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench):
     from bench.grid import run_grid
+    from tasks import task_name
 
     results = tmp_path / "results"
     plan = {str(tiny_task): {}}
@@ -315,7 +316,8 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     assert first["pld"].status == "ran" and first["pld"].turns == first["pld"].expected_turns == 3
     assert first["eagle3"].status.startswith("not run: no eagle3 drafter")
     assert first["ar"].status == "baseline" and fake_bench == ["grid"]
-    pld_file = results / TARGET / "tiny" / "pld-grid.jsonl"
+    folder = results / TARGET / task_name(str(tiny_task))  # tiny-<content hash>
+    pld_file = folder / "pld-grid.jsonl"
     before = pld_file.read_bytes()
     assert grid(8)["pld"].status == "up to date (skipped)" and fake_bench == ["grid"]
     # Other settings: a fresh revision, the finished records untouched.
@@ -323,7 +325,7 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     assert changed["pld"].status == "ran" and changed["pld"].records == "grid.r2" and fake_bench[-1] == "grid.r2"
     assert pld_file.read_bytes() == before
     # An interrupted revision resumes in place.
-    r2 = results / TARGET / "tiny" / "pld-grid.r2.jsonl"
+    r2 = folder / "pld-grid.r2.jsonl"
     r2.write_text("".join(r2.read_text().splitlines(keepends=True)[:-1]))
     assert grid(9)["pld"].status == "ran" and fake_bench[-1] == "grid.r2"
     manifest = json.loads((results / TARGET / "grid-grid.json").read_text())
@@ -343,7 +345,7 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     assert "contended" in kinds(load_records(results, tags=("grid",)))
     cells = run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, remeasure_contended=True)
     assert [c.status for c in cells if c.method == "pld"] == ["ran"] and fake_bench[-1] == "grid.r2"
-    assert (results / TARGET / "tiny" / "pld-grid.r2.jsonl.contended").read_text().endswith(json.dumps(slow) + "\n")
+    assert (folder / "pld-grid.r2.jsonl.contended").read_text().endswith(json.dumps(slow) + "\n")
     assert "contended" not in kinds(load_records(results, tags=("grid",)))
     records = load_records(results, tags=("grid",))
     assert sorted((r.method, r.repeat) for r in records.runs) == [("ar", 1), ("ar", 2), ("pld", 1), ("pld", 2)]

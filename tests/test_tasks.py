@@ -146,7 +146,13 @@ def test_unknown_category(data_dir):
 def test_custom_jsonl(tiny_task):
     questions = load_task(str(tiny_task))
     assert [(q.question_id, q.category, len(q.turns)) for q in questions] == [("q1", "chat", 2), ("q2", "math", 1)]
-    assert task_name(str(tiny_task)) == "tiny" and task_name("mtbench") == "mtbench"
+    assert task_name("mtbench") == "mtbench"
+    name = task_name(str(tiny_task))  # a custom file: its stem and its content
+    assert name.startswith("tiny-") and len(name) == len("tiny-") + 8 and task_name(str(tiny_task)) == name
+    other = tiny_task.parent / "other" / "tiny.jsonl"  # the same name, other questions
+    other.parent.mkdir()
+    other.write_text(tiny_task.read_text().replace("Say hi.", "Say hello."))
+    assert task_name(str(other)) != name and task_name(str(other)).startswith("tiny-")
     assert load_task(str(tiny_task), categories=("math",)) == questions[1:]
 
 
@@ -170,7 +176,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 
 def test_non_object_line(tmp_path):
     path = _write(tmp_path / "list.jsonl", ["[1, 2]"])
-    with pytest.raises(BenchError, match=r"list\.jsonl:1: expected a JSON object"):
+    with pytest.raises(BenchError, match=r"list\.jsonl:1: not a JSON object"):
         load_task(str(path))
 
 
