@@ -475,8 +475,12 @@ def update_readmes(files: dict[Path, dict[str, str]]) -> None:
         texts[Path(readme)] = text
     for readme, text in texts.items():
         tmp = readme.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(readme)
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(readme)
+        except OSError as exc:  # a full disk or a read-only folder: the file stays as it was
+            tmp.unlink(missing_ok=True)
+            raise BenchError(f"cannot write {readme}: {exc.strerror}") from None
 
 
 def update_readme(readme: Path, blocks: dict[str, str]) -> None:
