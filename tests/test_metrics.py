@@ -44,7 +44,7 @@ def test_acceptance_conditional():
 
 
 def test_fixed_length_identities():
-    """For a fixed γ: E[τ] = 1 + Σ u_i and u_i = Π_{j≤i} a_j (the Leviathan et al. 2023 chain model; methods/README.md)."""
+    """For a fixed γ: E[τ] = 1 + Σ u_i and u_i = Π_{j≤i} a_j (the chain model of Leviathan et al. 2023)."""
     accepted = [3, 1, 0, 2, 2, 3, 0, 1]
     turns = [make_turn(proposed=[3] * len(accepted), accepted=accepted)]
     u = metrics.acceptance_unconditional(turns)
