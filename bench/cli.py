@@ -122,7 +122,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--out", "out_dir", default=None,
               help="output folder (default: $BENCH_CACHE/drafters/<target>/<method>); resumes if it has a checkpoint")
 @click.option("--max-steps", type=click.IntRange(min=1), default=600, show_default=True,
-              help="600 x 4 conversations: about an hour on 2 CPU cores")
+              help="optimizer steps of --batch-size conversations each")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="conversations per step")
 @click.option("--max-len", type=click.IntRange(min=16), default=384, show_default=True,
               help="tokens per conversation (sps; feature drafters use their feature cache's length)")

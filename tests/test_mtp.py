@@ -405,7 +405,7 @@ def test_bad_options_and_drafters(tiny_target, tmp_path, monkeypatch):
     ]
     corrupt = write_drafter(tmp_path / "corrupt", tiny_target)
     (corrupt / WEIGHTS).write_bytes(b"not safetensors")
-    broken.append((corrupt, "cannot read drafter weights"))
+    broken.append((corrupt, "corrupt or missing drafter weights"))
     partial = write_drafter(tmp_path / "partial", tiny_target)
     save_file({"proj": torch.zeros(64, 128, dtype=torch.bfloat16)}, str(partial / WEIGHTS))
     broken.append((partial, "lack"))

@@ -133,8 +133,9 @@ class MedusaObjective:
     """Weighted per-head cross-entropy against the target's label distribution (or token)."""
 
     def __init__(self, heads: MedusaHeads, lm_head: Tensor, features: Features, opts: MedusaTraining,
-                 device: torch.device) -> None:
+                 device: torch.device, autocast: bool = False) -> None:
         self.heads, self.features, self.opts, self.device = heads, features, opts, device
+        self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
         self.lm_head = lm_head.detach().to(device=device, dtype=torch.float32)
         self._eval: tuple[Tensor, list[Tensor], list[Tensor]] | None = None
 
@@ -161,6 +162,10 @@ class MedusaObjective:
 
     def loss(self, windows: list[tuple[int, int]]) -> tuple[Tensor, dict[str, float]]:
         """windows: (first anchor, end of anchors) in the feature index."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self._loss(windows)
+
+    def _loss(self, windows: list[tuple[int, int]]) -> tuple[Tensor, dict[str, float]]:
         rows, anchors, labels, tokens = self._pairs(windows)
         k, w = self.heads.num_heads, self.lm_head
         hidden = self.features.hidden[rows].to(self.device, torch.float32)
@@ -254,7 +259,7 @@ def train_medusa(target, settings) -> dict:
     heads = MedusaHeads(target.config.hidden_size, opts.num_heads, opts.num_layers)
     device = torch.device(settings.device)
     heads.to(device)
-    objective = MedusaObjective(heads, target.engine.lm_head, features, opts, device)
+    objective = MedusaObjective(heads, target.engine.lm_head, features, opts, device, settings.bf16_autocast())
 
     def next_batch(cursor: int) -> tuple[list[tuple[int, int]], int]:
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + cursor)  # exact resume
@@ -265,9 +270,9 @@ def train_medusa(target, settings) -> dict:
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": target.config.vocab_size}
     identity = {"method": METHOD, "target": target_info, "batch_size": settings.batch_size,
                 "data_limit": settings.data_limit, "features": data.key(),
-                "medusa": {k: v for k, v in asdict(opts).items() if k not in ("eval_positions", "tree_size")}}
-    cfg = loop.LoopConfig(max_steps=settings.max_steps, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                          checkpoint_every_s=settings.checkpoint_every_s, seed=settings.seed)
+                "medusa": {k: v for k, v in asdict(opts).items() if k not in ("eval_positions", "tree_size")},
+                "bf16_autocast": settings.bf16_autocast()}
+    cfg = settings.loop_config()
     out_dir = Path(settings.out_dir)
 
     def export(step: int) -> None:
