@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,19 @@ block-sweep: $(STAMP)
 	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
 	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval \
 	  --readme blocks --readme-path results/README.md
+
+# tau and speedup against the draft budget (--budget K: draft tokens verified per round) for every
+# method that drafts, K in BUDGETS, on HumanEval (first BUDGET_LIMIT questions), then the report
+# (its tau-vs-budget figure) in plots/budget/.
+BUDGETS ?= 2 4 8 16
+BUDGET_LIMIT ?= 3
+BUDGET_TOKENS ?= 64
+BUDGET_METHODS := pld lookahead sps specinfer medusa mtp eagle eagle2 eagle3 dflash ddtree dspark
+budget-sweep: $(STAMP)
+	for k in $(BUDGETS); do for m in $(BUDGET_METHODS); do \
+	  $(BIN)/bench run --task humaneval --limit $(BUDGET_LIMIT) --max-new-tokens $(BUDGET_TOKENS) \
+	    --tag budget$$k --method $$m --budget $$k || exit 1; done; done
+	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

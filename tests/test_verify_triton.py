@@ -187,7 +187,7 @@ def test_kernels_compile_for_hopper(tmp_path):
 
 def test_gpu_check_smoke(tmp_path, monkeypatch, capsys):
     """scripts.gpu_check's logic, with tiny sizes on the CPU interpreter."""
-    from bench import gpu_check
+    from scripts import gpu_check
 
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check.main(["--smoke"]) == 0
