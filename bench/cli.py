@@ -172,6 +172,12 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
         "(already complete)"
     click.echo(f"done: {summary['steps']} steps, last step {metrics}; drafter in {summary['drafter']}; "
                f"log {summary['log']}")
+    manifest = Path(summary["drafter"]) / "drafter.json"
+    heldout = json.loads(manifest.read_text()).get("heldout", {}) if manifest.exists() else {}
+    if "predicted_tau" in heldout:
+        agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
+        click.echo(f"held out: top-1 agreement by draft position {agreement}; "
+                   f"predicted tau {heldout['predicted_tau']:.2f}")
 
 
 @main.command()

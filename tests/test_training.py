@@ -197,3 +197,11 @@ def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
                                        "--results-dir", str(tmp_path / "results")])
     assert result.exit_code == 0, result.output
     assert "100.0% of turns match" in result.output
+
+
+def test_heldout_prediction_is_the_chain_model():
+    from bench.core.training import heldout_prediction
+
+    assert heldout_prediction([0.5, 0.5, 0.5])["predicted_tau"] == 1.875  # 1 + .5 + .25 + .125
+    assert heldout_prediction([1.0, 0.0, 1.0])["predicted_tau"] == 2.0  # nothing survives a miss
+    assert heldout_prediction([])["predicted_tau"] == 1.0

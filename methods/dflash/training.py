@@ -198,7 +198,7 @@ def export_model(model: BlockDraftModel, folder: Path, manifest: dict) -> None:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.core.training import loop
+    from bench.core.training import heldout_prediction, loop
 
     known = set(BlockTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)
@@ -256,7 +256,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         model.train()
         keys = ("loss", "ce", "tv", "bce", "conf", "acc", "acc0", "acc1", "acc3", "acc7")
         manifest = {
-            "method": method, "target": target_info, "weights": WEIGHTS, "heldout": accuracy,
+            "method": method, "target": target_info, "weights": WEIGHTS,
+            "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"])),
             "block": {"input_slots": config.block_size, "drafts_per_block": config.block_size,
                       "anchor_predicts_next": True},
             "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans), rows, keys),

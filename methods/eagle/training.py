@@ -307,7 +307,7 @@ def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
 
 def train_eagle(target, settings, kind: str, method: str) -> dict:
     """Train an EAGLE-1 or EAGLE-3 head for `target` into settings.out_dir (resumable)."""
-    from bench.core.training import loop
+    from bench.core.training import heldout_prediction, loop
 
     known = set(EagleTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)
@@ -364,6 +364,7 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         accuracy = rank_accuracy(objective, batches)
         head.train()
         manifest = {"method": method, "target": target_info, "weights": WEIGHTS, "heldout_rank_accuracy": accuracy,
+                    "heldout": heldout_prediction([accuracy[f"step{i}"][0] for i in range(len(accuracy))]),
                     "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans),
                                                   rows, ("loss", "acc", "acc1", "acc2", "acc3"))}
         export_head(head, out_dir, manifest)

@@ -239,7 +239,7 @@ class MedusaObjective:
 def train_medusa(target, settings) -> dict:
     """`bench train --method medusa`: Medusa-1 heads on cached target features."""
     from bench.core.provenance import git_sha, timestamp
-    from bench.core.training import loop
+    from bench.core.training import heldout_prediction, loop
     from bench.core.training.features import FeatureData, ensure_features
 
     opts = _training_options(dict(settings.options))
@@ -288,6 +288,7 @@ def train_medusa(target, settings) -> dict:
             "accuracy": {"topk": accuracy, "pairs": counts, "label": "target greedy token",
                          "held_out": f"last {opts.heldout:.0%} of conversations",
                          "held_out_positions": int(len(features.held_anchors))},
+            "heldout": heldout_prediction([head[0] for head in accuracy]),
             "tree": {"paths": [list(p) for p in paths], "size": len(paths),
                      "expected_accepted": round(expected_accepted(paths, accuracy), 4)},
             "training": {

@@ -250,7 +250,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     settings.out_dir (resuming from a checkpoint there); exports the drafter at every
     checkpoint with its held-out agreement per step."""
     from bench.core.provenance import git_sha, timestamp
-    from bench.core.training import loop
+    from bench.core.training import heldout_prediction, loop
     from bench.core.training.features import ensure_features
 
     opts = MtpSettings.parse(dict(settings.options))
@@ -319,7 +319,8 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
                 "heldout_conversations": held, "reply_rows_seen": int(sum(r.get("tokens", 0) for r in rows)),
                 "first_10_steps": {k: _mean(rows[:10], k) for k in keys},
                 "last_10_steps": {k: _mean(rows[-10:], k) for k in keys},
-                "heldout": heldout, "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
+                "heldout": dict(heldout, **heldout_prediction(heldout["acc"])) if heldout else {},
+                "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }

@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def heldout_prediction(top1_by_position: list[float]) -> dict:
+    """What a run's held-out numbers predict: top-1 agreement with the target per draft
+    position (teacher-forced) and the τ of a chain drafted that deep,
+    1 + sum_k prod_{i<=k} a_i (each position taken as accepted with its agreement, given
+    the earlier ones were). A tree of several candidates per position accepts more."""
+    tau, survive = 1.0, 1.0
+    for agreement in top1_by_position:
+        survive *= agreement
+        tau += survive
+    return {"top1_by_position": [round(a, 4) for a in top1_by_position], "predicted_tau": round(tau, 4)}
+
+
 @dataclass
 class TrainSettings:
     out_dir: Path  # training state, log and the exported drafter
