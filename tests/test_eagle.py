@@ -209,3 +209,13 @@ def test_published_layout_loads_the_same_head(default_target, tmp_path, kind):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(BenchError, match="has no"):
         load_published(default_target, tmp_path, kind)
+
+
+def test_draft_vocabulary_sized_by_coverage():
+    from methods.eagle.training import vocabulary_for_coverage
+
+    tokens = torch.tensor([0, 5, 5, 5, 5, 7, 7, 9, 1, 2])  # reply tokens (mask on 1..8): 5 x4, 7 x2, 9, 1
+    mask = torch.tensor([True] * 8 + [False] * 2)
+    assert vocabulary_for_coverage(tokens, mask, 16, 0.5) == 1  # token 5 alone is half
+    assert vocabulary_for_coverage(tokens, mask, 16, 0.75) == 2
+    assert vocabulary_for_coverage(tokens, mask, 16, 1.0) == 4

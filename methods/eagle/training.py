@@ -47,6 +47,8 @@ class EagleTrainSettings:
     ttt_steps: int = 3  # eagle3: unrolled draft steps (paper: 7; fewer to fit a CPU hour)
     step_decay: float = 0.8  # eagle3: weight of step i is decay^i
     draft_vocab: int = 16384  # eagle3: draft vocabulary size (0 = the full target vocabulary)
+    draft_vocab_coverage: float = 0.0  # eagle3, > 0: the fewest tokens covering this share of reply tokens
+    #                                    (at most draft_vocab), as EAGLE-3 sizes it by token frequency
     feature_weight: float = 1.0  # eagle1: SmoothL1 weight (v_w)
     token_weight: float = 0.1  # eagle1: soft-CE weight (p_w)
     noise: float = 0.1  # eagle1: uniform noise half-width, relative to the feature RMS
@@ -289,6 +291,15 @@ def _coerce(value, kind: type):
         raise BenchError(f"expected a {kind.__name__}, got '{value}'") from None
 
 
+def vocabulary_for_coverage(tokens: Tensor, mask: Tensor, vocab_size: int, coverage: float) -> int:
+    """The fewest most-frequent tokens that make up `coverage` of the reply tokens."""
+    if not 0.0 < coverage <= 1.0:
+        raise BenchError(f"draft_vocab_coverage must be in (0, 1], got {coverage}")
+    counts = torch.bincount(tokens[1:][mask[:-1]], minlength=vocab_size).float().sort(descending=True).values
+    share = counts.cumsum(0) / counts.sum().clamp(min=1)
+    return int((share < coverage).sum()) + 1
+
+
 def draft_vocabulary(tokens: Tensor, mask: Tensor, size: int, vocab_size: int, always: list[int]) -> Tensor:
     """The `size` most frequent reply tokens of the training data (plus `always`), sorted."""
     labels = tokens[1:][mask[:-1]]
@@ -324,6 +335,9 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     tensors = store.load(tuple(sorted(set(taps) | {num_layers})))
     vocab = target.config.vocab_size
     draft_vocab = train_settings.draft_vocab if kind == "eagle3" and train_settings.draft_vocab else None
+    if draft_vocab and train_settings.draft_vocab_coverage > 0:
+        draft_vocab = min(draft_vocab, vocabulary_for_coverage(tensors["tokens"], tensors["loss_mask"], vocab,
+                                                               train_settings.draft_vocab_coverage))
     config = EagleConfig.for_target(target.config, kind, taps, draft_vocab if draft_vocab and draft_vocab < vocab
                                     else None)
     torch.manual_seed(settings.seed)
