@@ -433,7 +433,7 @@ def test_bad_drafters_fail_in_one_line(tiny_target, tmp_path):
     (plain / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
     fails({"drafter": str(plain)}, "neither")
     (plain / "medusa_lm_head.safetensors").write_bytes(b"not safetensors")
-    fails({"drafter": str(plain)}, "cannot read medusa weights")
+    fails({"drafter": str(plain)}, "corrupt or missing drafter weights")
 
     wrong = save_ours(tmp_path / "wrong-hidden", tiny_target, random_heads(64, 2))
     manifest = json.loads((wrong / "drafter.json").read_text())

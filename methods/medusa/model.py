@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench.core.drafters import MANIFEST, WEIGHTS, check_target, read_manifest, write_drafter
+from bench.core.drafters import MANIFEST, WEIGHTS, open_drafter, read_weights, write_drafter
 from bench.core.errors import BenchError
 
 METHOD = "medusa"
@@ -68,18 +68,8 @@ class MedusaHeads(nn.Module):
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
-    try:
-        if path.suffix == ".pt":
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-    except Exception as exc:
-        raise BenchError(f"cannot read medusa weights {path}: {exc}") from None
-    if not isinstance(state, dict):
-        raise BenchError(f"medusa weights {path} are not a state dict")
-    return {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    """Weights with Medusa's `medusa_head.` prefix (their checkpoints) taken off."""
+    return {k.removeprefix("medusa_head."): v for k, v in read_weights(path).items()}
 
 
 def load_drafter(target, folder: Path) -> tuple[MedusaHeads, list[list[float]] | None, list | None, dict]:
@@ -88,10 +78,7 @@ def load_drafter(target, folder: Path) -> tuple[MedusaHeads, list[list[float]] |
     folder = Path(folder)
     d, vocab = target.config.hidden_size, target.config.vocab_size
     if (folder / MANIFEST).exists():
-        manifest = read_manifest(folder)
-        if manifest.get("method") != METHOD:
-            raise BenchError(f"drafter {folder} is a {manifest.get('method')} drafter, not {METHOD}")
-        check_target(manifest, target, folder)
+        manifest = open_drafter(target, folder, (METHOD,))
         arch = manifest.get("architecture", {})
         try:
             heads = MedusaHeads(int(arch["hidden"]), int(arch["num_heads"]), int(arch["num_layers"]))
