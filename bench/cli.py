@@ -191,13 +191,17 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
 @click.option("--shards", default=None, help="a:b, the shard numbers to generate (default: all)")
 @click.option("--tokens", type=float, default=None, help="stop once this many reply tokens exist")
 @click.option("--data-dir", default=None, help="where the evaluation suites are (for the overlap filter)")
-def distill(target, device, dtype, batch_size, max_reply, max_context, shards, tokens, data_dir) -> None:
+@click.option("--status", is_flag=True, help="list the distilled data in the cache (shards, tokens, tok/s) and exit")
+def distill(target, device, dtype, batch_size, max_reply, max_context, shards, tokens, data_dir, status) -> None:
     """Self-distilled training data: the target's own greedy replies to every turn of
     ShareGPT conversations (minus those overlapping an evaluation suite), sharded, resumable."""
     from bench.core.target import load_target, resolve_dtype
-    from bench.core.training.distill import DistillSettings, distill
+    from bench.core.training.distill import DistillSettings, distill, distill_status
     from tasks import TASKS, load_task
 
+    if status:
+        click.echo(distill_status())
+        return
     span = None
     if shards:
         try:

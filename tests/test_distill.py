@@ -99,3 +99,5 @@ def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_
 def test_distill_stops_once_enough_reply_tokens_exist(tiny_distill, default_target):
     data = distill(default_target, tiny_distill, EVAL, min_reply_tokens=1, batch_size=4, progress=False)
     assert [s["shard"] for s in data.shards()] == [0]
+    status = distill_module.distill_status()
+    assert f"{data.folder}: 1/2 shards, {data.reply_tokens} reply tokens" in status and "reply tok/s" in status

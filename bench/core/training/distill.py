@@ -300,6 +300,23 @@ class DistilledData:
                     yield json.loads(line)
 
 
+def distill_status() -> str:
+    """One line per distilled-data folder in the cache: shards done, reply tokens, the
+    conversations' share, and the logged throughput."""
+    from bench.core.target import cache_dir
+
+    lines = []
+    for index in sorted((cache_dir() / "distill").glob("*/*/index.json")):
+        data = DistilledData(index.parent)
+        shards = data.shards()
+        usable = data.index.get("prompts", {}).get("usable", 0)
+        total = -(-usable // data.index["settings"]["shard_conversations"]) if usable else 0
+        seconds = sum(s["seconds"] for s in shards)
+        rate = f"{data.reply_tokens / seconds:.0f} reply tok/s" if seconds else "no shard finished"
+        lines.append(f"{index.parent}: {len(shards)}/{total} shards, {data.reply_tokens} reply tokens, {rate}")
+    return "\n".join(lines) or "no distilled data: run `bench distill`"
+
+
 def distill(target, settings: DistillSettings, eval_questions: dict[str, list[str]], shards: range | None = None,
             min_reply_tokens: int | None = None, batch_size: int = 48, device: str = "cpu",
             progress: bool = True) -> DistilledData:
