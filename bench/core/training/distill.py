@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from bench.core.errors import BenchError
 from bench.core.files import write_json
+from bench.core.provenance import timestamp
 from bench.core.target import chat_prompt, resolve_dtype
 
 FORMAT = "spec-bench-distill/1"
@@ -351,7 +352,6 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
         return data
     tokenizer = target.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else target.eos_token_ids[0]
-    torch.manual_seed(0)
     generator = Generator(target.path, device, dtype, target.eos_token_ids, pad, batch_size)
     bar = tqdm(total=min_reply_tokens, initial=have, desc="self-distilled reply tokens", unit="tok",
                disable=not progress, smoothing=0.05)
@@ -372,7 +372,7 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
                  "turns": sum(len(row["turns"]) for row in rows), "reply_tokens": replies,
                  "tokens": sum(len(row["tokens"]) for row in rows), "seconds": round(seconds, 1),
                  "reply_tok_per_s": round(replies / seconds, 1), "batch_size": batch_size, "device": device,
-                 "threads": torch.get_num_threads(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                 "threads": torch.get_num_threads(), "finished_at": timestamp()}
         index = json.loads(index_path.read_text())  # another machine's shards may have been copied in
         index["shards"] = [s for s in index["shards"] if s["shard"] != k] + [entry]
         write_json(index_path, index)
