@@ -300,9 +300,37 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
     click.echo(f"report: {result['html']} ({len(result['files'])} tables and figures beside it)")
 
 
+@main.command()
+@click.option("--method", required=True, help="a method with a trained drafter (see `bench list`)")
+@click.option("--format", "fmt", required=True, help="published layout: speculators | dflash | eagle | medusa")
+@click.option("--out", "out_dir", required=True, help="new folder to write (must not exist or be empty)")
+@click.option("--drafter", default=None, help="drafter folder (default: user-trained, then shipped)")
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
+def export(method, fmt, out_dir, drafter, target) -> None:
+    """Write a drafter in a published layout that vLLM / SGLang / the reference code load."""
+    import importlib
+    from pathlib import Path
+
+    from bench.core.target import load_target
+    from bench.registry import get_method
+
+    module = importlib.import_module(get_method(method).module)
+    formats = getattr(module, "EXPORT_FORMATS", ())
+    if fmt not in formats:
+        raise BenchError(f"{method} exports to {', '.join(formats) or 'no published format'}, not '{fmt}'")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BenchError(f"export folder {out} exists and is not empty")
+    loaded = load_target(target, "cpu", "float32")
+    written = module.export(loaded, drafter, fmt, out)
+    click.echo(f"exported {method} ({fmt} layout): {written}")
+
+
 @main.command(name="list")
 def list_cmd() -> None:
-    """Show methods, tasks, targets and trained drafters."""
+    """Show methods (with the convention each follows), tasks, targets and trained drafters."""
+    import importlib
+
     from bench.core.target import DEFAULT_TARGET, cache_dir
     from bench.registry import METHODS
     from tasks import TASKS
@@ -311,6 +339,9 @@ def list_cmd() -> None:
     for info in METHODS.values():
         flags = "" if info.lossless else " [lossy]"
         click.echo(f"  {info.name:<12} {info.summary}{flags}")
+        convention = getattr(importlib.import_module(info.module), "CONVENTION", None)
+        if convention:
+            click.echo(f"  {'':<12}   convention: {convention}")
     click.echo("tasks:")
     click.echo("  " + ", ".join(TASKS) + ", or a .jsonl file in MT-bench format")
     click.echo("targets:")
