@@ -205,3 +205,33 @@ def test_heldout_prediction_is_the_chain_model():
     assert heldout_prediction([0.5, 0.5, 0.5])["predicted_tau"] == 1.875  # 1 + .5 + .25 + .125
     assert heldout_prediction([1.0, 0.0, 1.0])["predicted_tau"] == 2.0  # nothing survives a miss
     assert heldout_prediction([])["predicted_tau"] == 1.0
+
+
+def test_milestones_fire_once_across_a_resume(tmp_path):
+    """on_milestone runs once per milestone of trained tokens, also when the run stops
+    between milestones and resumes; the count is kept in the checkpoint."""
+    from bench.core.training import loop
+
+    class Toy:
+        def __init__(self) -> None:
+            self.w = torch.nn.Parameter(torch.ones(2, 2))
+
+        def named_parameters(self):
+            return [("w", self.w)]
+
+        def loss(self, batch):
+            return (self.w * batch).sum() ** 2, {"tokens": 100.0}
+
+    def next_batch(cursor):
+        return torch.full((2, 2), 0.1), cursor + 1
+
+    fired = []
+    cfg = loop.LoopConfig(max_steps=3, checkpoint_every_s=1e9)
+    loop.train(Toy(), next_batch, cfg, tmp_path, progress=False, milestones=(150, 250, 450),
+               on_milestone=lambda tokens, step: fired.append((tokens, step)))
+    assert fired == [(150, 2), (250, 3)]
+    summary = loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=5, checkpoint_every_s=1e9), tmp_path,
+                         progress=False, milestones=(150, 250, 450),
+                         on_milestone=lambda tokens, step: fired.append((tokens, step)))
+    assert fired == [(150, 2), (250, 3), (450, 5)] and summary["tokens_seen"] == 500
+    assert [row["tokens_seen"] for row in loop.read_log(tmp_path)] == [100, 200, 300, 400, 500]

@@ -98,7 +98,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensors:
 
 
 def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.Optimizer,
-                    step: int, cursor: int, elapsed: float, settings: dict) -> None:
+                    step: int, cursor: int, elapsed: float, settings: dict, tokens_seen: int = 0) -> None:
     """Write out_dir/checkpoint atomically: a temp folder renamed over the old one."""
     named = objective.named_parameters()
     names = [n for n, _ in named]
@@ -112,7 +112,8 @@ def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
-        "step": step, "cursor": cursor, "elapsed_s": elapsed, "optimizer": extra, "settings": settings,
+        "step": step, "cursor": cursor, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "optimizer": extra,
+        "settings": settings,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
     # Swap in two renames; a crash in between leaves .old, which load_checkpoint falls back to.
     shutil.rmtree(old, ignore_errors=True)
@@ -184,12 +185,18 @@ def _identity(identity: dict | None, cfg: LoopConfig) -> dict:
 
 def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cfg: LoopConfig,
           out_dir: Path, identity: dict | None = None, progress: bool = True,
-          on_checkpoint: Callable[[int], None] | None = None) -> dict:
+          on_checkpoint: Callable[[int], None] | None = None,
+          milestones: tuple[int, ...] = (), on_milestone: Callable[[int, int], None] | None = None) -> dict:
     """Train until cfg.max_steps, resuming from out_dir/checkpoint when present.
 
     next_batch(cursor) -> (batch, next cursor). `identity`: what must be equal to resume
     (model shape, data settings, ...); a checkpoint made with other settings is refused.
     on_checkpoint(step) runs after each checkpoint (e.g. to export the drafter).
+    An objective whose metrics carry "tokens" (trained positions in the batch) gets a running
+    `tokens_seen` in the log and the checkpoint; on_milestone(tokens, step) runs once when
+    tokens_seen first reaches each of `milestones` (e.g. to keep a drafter for the scaling
+    figure), just before a checkpoint: a resumed run never skips one (a crash between the two
+    redoes the steps and calls it again with the same weights).
     Returns a summary: steps, resumed_from, first/last logged metrics, elapsed seconds.
     The log is out_dir/log.jsonl, one line per step with the objective's metrics, lr and
     grad norm."""
@@ -206,7 +213,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas)
     ordered = _NamedParams(named)
-    step, cursor, elapsed = 0, 0, 0.0
+    step, cursor, elapsed, tokens_seen = 0, 0, 0.0, 0
     resumed_from = None
     log_path = out_dir / LOG
     found = find_checkpoint(out_dir)
@@ -221,6 +228,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                              "use another output folder or delete it")
         state = load_checkpoint(found, ordered, optimizer)
         step, cursor, elapsed = state["step"], state["cursor"], state["elapsed_s"]
+        tokens_seen = int(state.get("tokens_seen", 0))
         resumed_from = step
         _trim_log(log_path, step)
     elif log_path.exists():
@@ -242,8 +250,13 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             optimizer.step()
             step += 1
+            before = tokens_seen
+            tokens_seen += int(metrics.get("tokens", 0))
             row = {"step": step, "loss": float(loss.detach()), **metrics, "lr": lr, "grad_norm": float(grad_norm),
                    "elapsed_s": round(time.monotonic() - started, 2)}
+            if "tokens" in metrics:
+                row["tokens_seen"] = tokens_seen
+            reached = [m for m in milestones if before < m <= tokens_seen]
             log.write(json.dumps(row) + "\n")
             log.flush()
             first = first or row
@@ -252,13 +265,16 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("loss", "acc", "kl")})
             due_time = time.monotonic() - last_save >= cfg.checkpoint_every_s
             due_step = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
-            if due_time or due_step or step == cfg.max_steps:
-                save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings)
+            for milestone in reached if on_milestone is not None else ():
+                on_milestone(milestone, step)  # before the checkpoint: a crash in between redoes it
+            if due_time or due_step or reached or step == cfg.max_steps:
+                save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
+                                tokens_seen)
                 if on_checkpoint is not None:
                     on_checkpoint(step)
                 last_save = time.monotonic()
     bar.close()
-    return {"steps": step, "resumed_from": resumed_from, "first": first, "last": last,
+    return {"steps": step, "resumed_from": resumed_from, "first": first, "last": last, "tokens_seen": tokens_seen,
             "elapsed_s": round(time.monotonic() - started, 1), "log": str(log_path)}
 
 
