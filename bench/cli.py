@@ -136,9 +136,12 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="CPU threads for torch (1 is much faster when other jobs share the cores)")
 @click.option("--precision", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32")
+@click.option("--keep-at", default=None,
+              help="trained-token counts (e.g. 2e5,1e6) at which a copy of the drafter is kept in OUT/kept/ "
+                   "(for the scaling figure)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_steps, seed, device,
-          checkpoint_minutes, data_limit, threads, precision, options) -> None:
+          checkpoint_minutes, data_limit, threads, precision, keep_at, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
 
@@ -154,6 +157,12 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
     info = get_method(method)
     if not info.trained:
         raise BenchError(f"method '{method}' has nothing to train")
+    try:
+        keep = tuple(sorted({int(float(x)) for x in keep_at.split(",") if x.strip()})) if keep_at else ()
+    except ValueError:
+        raise BenchError(f"--keep-at takes token counts like 2e5,1e6, got '{keep_at}'") from None
+    if any(k <= 0 for k in keep):
+        raise BenchError(f"--keep-at token counts must be positive, got '{keep_at}'")
     if threads:
         import torch
 
@@ -164,7 +173,7 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
-        options=_parse_options(options), precision=precision)
+        options=_parse_options(options), precision=precision, keep_at=keep)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")

@@ -180,7 +180,8 @@ def test_cli_train_needs_a_trainable_method():
 
 
 def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
-    """`bench train` on the real ShareGPT file for one step, then `bench run --drafter`."""
+    """`bench train` on the real ShareGPT file for two steps, keeping the drafter after the
+    first trained token (--keep-at 1), then `bench run --drafter` with the kept one."""
     from click.testing import CliRunner
 
     from bench.cli import main
@@ -188,12 +189,14 @@ def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
     out = tmp_path / "drafter"
     target = str(tiny_target.path)
     result = CliRunner().invoke(main, ["train", "--method", "sps", "--target", target, "--out", str(out),
-                                       "--max-steps", "1", "--batch-size", "1", "--max-len", "48",
-                                       "--option", "num_layers=1"])
+                                       "--max-steps", "2", "--batch-size", "1", "--max-len", "48",
+                                       "--keep-at", "1", "--option", "num_layers=1"])
     assert result.exit_code == 0, result.output
-    assert (out / "drafter.json").exists()
+    kept = out / "kept" / "1-tokens"
+    assert (out / "drafter.json").exists() and (kept / "drafter.json").exists()
+    assert json.loads((kept / "drafter.json").read_text())["training"]["steps"] == 1
     result = CliRunner().invoke(main, ["run", "--method", "sps", "--task", str(tiny_task), "--target", target,
-                                       "--drafter", str(out), "--max-new-tokens", "12",
+                                       "--drafter", str(kept), "--max-new-tokens", "12",
                                        "--results-dir", str(tmp_path / "results")])
     assert result.exit_code == 0, result.output
     assert "100.0% of turns match" in result.output

@@ -38,6 +38,7 @@ class TrainSettings:
     progress: bool = True
     options: dict = field(default_factory=dict)  # method-specific (e.g. num_layers, init)
     precision: str = "auto"  # auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32
+    keep_at: tuple[int, ...] = ()  # trained-token counts at which a copy of the drafter is kept (scaling figure)
 
     def bf16_autocast(self) -> bool:
         """Whether the drafter's matmuls run under bf16 autocast (fp32 master weights and
@@ -52,3 +53,29 @@ class TrainSettings:
 
         return LoopConfig(max_steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
                           checkpoint_every_s=self.checkpoint_every_s, seed=self.seed, **overrides)
+
+    def keeper(self, export):
+        """The loop's on_milestone for `keep_at`: export the drafter (export(step) writes it
+        into out_dir) and copy it to out_dir/kept/<tokens>-tokens/, a drafter folder that
+        `bench run --drafter` takes."""
+        import shutil
+
+        from bench.core.drafters import MANIFEST
+
+        def keep(tokens: int, step: int) -> None:
+            export(step)
+            folder = kept_folder(self.out_dir, tokens)
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for item in Path(self.out_dir).iterdir():
+                if item.is_file() and (item.name == MANIFEST or item.suffix in (".safetensors", ".json")):
+                    shutil.copy2(item, tmp / item.name)
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        return keep
+
+
+def kept_folder(out_dir: Path, tokens: int) -> Path:
+    """Where `bench train --keep-at` keeps the drafter as it was after `tokens` trained tokens."""
+    return Path(out_dir) / "kept" / f"{int(tokens)}-tokens"

@@ -194,6 +194,7 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         }
         objective.export(out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
+    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
+                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
     summary["drafter"] = str(out_dir)
     return summary
