@@ -211,6 +211,34 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "several budgets (tags) gives several points, each labelled with its series.")
 
 
+def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "scaling", "τ vs training tokens"
+    rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
+    rows = rows[rows["trained_tokens"].notna()] if not rows.empty else rows
+    counts = rows.groupby("method")["trained_tokens"].nunique() if not rows.empty else pd.Series(dtype=int)
+    rows = rows[rows["method"].isin(counts[counts >= 2].index)] if not rows.empty else rows
+    if rows.empty:
+        return Skipped(name, title, "no method run with drafters kept at two or more training sizes "
+                                    "(bench train --keep-at, then bench run --drafter OUT/kept/<N>-tokens)")
+    fig = _figure(5.5, 3.6)
+    markers = "osD^v<>ph*"
+    tasks = sorted(rows["task"].unique())
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        for (method, task), group in rows.groupby(["method", "task"]):
+            group = group.sort_values("trained_tokens")
+            ax.plot(group["trained_tokens"], group["tau"], color=_color(method),
+                    marker=markers[tasks.index(task) % len(markers)], linewidth=1, markersize=4,
+                    label=f"{method} · {task}")
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens the drafter was trained on (log scale)")
+        ax.set_ylabel("τ (tokens per round)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "τ of each trained method against the number of training tokens its "
+                 "drafter had seen (drafters kept during one training run with `bench train --keep-at`), per task: "
+                 "where a line still rises at the right, more data or steps would raise τ further.")
+
+
 def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     name, title = "speedup_tau", "Measured speedup vs τ, with the speedup model"
     rows = _with_speedup(per_task, "speedup_model")
@@ -321,8 +349,9 @@ def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | 
         figures: list[Figured | Skipped] = [Skipped(n, t, reason) for n, t in (
             ("speedup", "Speedup over AR by method and task"), ("acceptance", "Per-position acceptance a_i"),
             ("accept_hist", "Accepted length per round"), ("tau_budget", "τ vs draft budget"),
-            ("speedup_tau", "Measured speedup vs τ, with the speedup model"))]
+            ("speedup_tau", "Measured speedup vs τ, with the speedup model"), ("scaling", "τ vs training tokens"))]
     else:
         figures = [speedup_by_task(per_task, overall, out), acceptance_decay(per_task, overall, out),
-                   accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out)]
+                   accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out),
+                   tau_vs_training_tokens(per_task, out)]
     return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]

@@ -287,8 +287,10 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         for category, turns in parts:
             values = {"target": run.target, "series": run.series, "task": run.task, "category": category,
                       "method": run.method}
-            group = groups.setdefault(tuple(values[n] for n in names), {"method": [], "base": [], "tasks": set(),
-                                                                        "budget": recorded_budget(run.settings)})
+            drafter = run.settings.get("drafter") if isinstance(run.settings.get("drafter"), dict) else {}
+            group = groups.setdefault(tuple(values[n] for n in names), {
+                "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
+                "trained_tokens": drafter.get("trained_tokens")})
             group["method"] += turns
             group["tasks"].add(run.task)
             if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
@@ -299,6 +301,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         row["tasks"] = ", ".join(sorted(group["tasks"]))
         # Draft tokens verified per round as run (--budget, or read from the options): NaN where not fixed.
         row["budget"] = float("nan") if group["budget"] is None else group["budget"]
+        # Tokens the run's drafter was trained on (`bench train` records it; NaN for older drafters).
+        row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
         row.update(summarize_group(group["method"], group["base"] or None))
         rows.append(row)
     frame = pd.DataFrame(rows)

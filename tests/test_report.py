@@ -432,3 +432,27 @@ def test_turns_that_shared_the_cores_are_reported(tmp_path):
     assert problem.detail.startswith("2 of 3 turns") and "(1/1, 2/1)" in problem.detail
     write_run(tmp_path, "mtbench", "pld", "t", [turn(q, n, exact=True) for q, n in keys])
     assert "contended" not in kinds(load_records(tmp_path))
+
+
+def test_scaling_figure_from_drafters_kept_at_several_sizes(tmp_path):
+    """τ against the tokens each run's drafter was trained on: drawn once a method has runs
+    with drafters of two or more training sizes (their records carry drafter.trained_tokens)."""
+    write_clean(tmp_path)
+    records = load_records(tmp_path)
+    figures = {f.name: f for f in make_figures(records, build_tables(records), tmp_path / "out")}
+    assert isinstance(figures["scaling"], Skipped) and "--keep-at" in figures["scaling"].reason
+    keys = [("1", 1), ("1", 2), ("2", 1), ("2", 2)]
+    for tag, tokens, accepted in (("k200", 200_000, (1, 1, 1)), ("k1m", 1_000_000, (3, 2, 1))):
+        drafter = {"drafter": f"out/kept/{tokens}-tokens", "trained_tokens": tokens}
+        write_run(tmp_path, "mtbench", "ar", tag, [turn(q, n) for q, n in keys])
+        write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
+                                                         proposed=(3, 3, 3), accepted=accepted) for q, n in keys],
+                  drafter=drafter)
+    records = load_records(tmp_path)
+    tables = build_tables(records)
+    rows = tables.per_task[tables.per_task["trained_tokens"].notna()]
+    assert sorted(rows["trained_tokens"]) == [200_000, 1_000_000]
+    figure = {f.name: f for f in make_figures(records, tables, tmp_path / "out")}["scaling"]
+    assert isinstance(figure, Figured), getattr(figure, "reason", "")
+    pixels = np.asarray(Image.open(figure.png).convert("L"), dtype=float)
+    assert pixels.std() > 5

@@ -148,8 +148,11 @@ def drafter_info(folder: Path, manifest: dict) -> dict:
 
     training = manifest.get("training", {})
     digest = hashlib.sha1(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return {"drafter": str(folder), "trained_steps": training.get("steps"),
+    info = {"drafter": str(folder), "trained_steps": training.get("steps"),
             "exported_at": training.get("exported_at"), "manifest_sha": digest}
+    if training.get("tokens_seen") is not None:  # trained positions so far (the scaling figure's x)
+        info["trained_tokens"] = int(training["tokens_seen"])
+    return info
 
 
 def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict) -> None:

@@ -63,7 +63,7 @@ class TrainSettings:
         from bench.core.drafters import MANIFEST
 
         def keep(tokens: int, step: int) -> None:
-            export(step)
+            export(step)  # the manifest's training.tokens_seen says how many tokens it has seen
             folder = kept_folder(self.out_dir, tokens)
             tmp = folder.with_name(folder.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)

