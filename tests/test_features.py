@@ -91,3 +91,44 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
     distill(default_target, settings, {}, progress=False)  # the second shard arrives
     grown = ensure_features(default_target, (30,), data, progress=False)
     assert grown.num_tokens == sum(len(r["tokens"]) for r in distill(default_target, settings, {}).rows())
+
+
+def test_states_are_mapped_from_tap_files_and_old_caches_convert(default_target, cache, one_thread):
+    """States live in one flat file per tap, mapped (not read) at load; an interrupted
+    shard's partial rows are cut back on resume; a cache with the states inside its shards
+    (the layout before) converts once and loads the same numbers."""
+    from safetensors import safe_open
+
+    data = FeatureData(max_tokens=900, max_len=256)
+    store = ensure_features(default_target, (2, 30), data, progress=False)
+    folder = store.folder
+    loaded = store.load((2, 30))
+    n, d = loaded["h30"].shape
+    assert (folder / "h30.bf16").stat().st_size == n * d * 2
+    with safe_open(str(store.shard_paths()[0]), "pt") as handle:
+        assert set(handle.keys()) == {"tokens", "loss_mask", "offsets"}
+    # A shard interrupted after its rows were appended: they are cut back, then redone.
+    with open(folder / "h2.bf16", "ab") as handle:
+        handle.write(b"\0" * (d * 2 * 7))
+    again = ensure_features(default_target, (2, 30), data, progress=False).load((2, 30))
+    assert torch.equal(again["h2"], loaded["h2"])
+    # The old layout: states inside the shards, no tap files.
+    index = json.loads((folder / "index.json").read_text())
+    from bench.core.training.features import _save_shard
+
+    offset = 0
+    for shard in index["shards"]:
+        path = folder / shard["file"]
+        with safe_open(str(path), "pt") as handle:
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        rows = slice(offset, offset + shard["tokens"])
+        tensors.update(h2=loaded["h2"][rows].clone(), h30=loaded["h30"][rows].clone())
+        _save_shard(path, tensors)
+        offset += shard["tokens"]
+    for tap in (2, 30):
+        (folder / f"h{tap}.bf16").unlink()
+    del index["flat"], index["hidden_size"]
+    (folder / "index.json").write_text(json.dumps(index))
+    converted = ensure_features(default_target, (2, 30), data, progress=False)
+    assert converted.index["flat"]
+    assert torch.equal(converted.load((2, 30))["h30"], loaded["h30"])

@@ -6,8 +6,15 @@ CPU epoch, so the states are extracted once per (target, data) and cached on dis
 
   $BENCH_CACHE/features/<target>/<data key>/
       index.json              settings, taps, shards, done flag
-      shard_00000.safetensors tokens int32 [N], loss_mask uint8 [N], offsets int64 [S+1],
-                              h<tap> bf16 [N, d] for each tapped layer
+      shard_00000.safetensors tokens int32 [n], loss_mask uint8 [n], offsets int64 [s+1]
+      h<tap>.bf16             the tapped layer's states of every shard, in shard order:
+                              raw bf16 [N, d], appended shard by shard
+
+The states live in one flat file per tap so that training maps them from disk instead of
+reading them into memory (5M tokens x 3 taps x 576 x 2 bytes is 17 GB, against 24 GB of
+RAM); the page cache keeps what fits. A file is cut back to the finished shards when an
+extraction resumes. Caches made before this layout (states inside the shards) are
+converted once, on first use.
 
 Taps use the engine's numbering (HF `hidden_states`): tap l is the input of decoder
 layer l, tap L (number of layers) the final normed state, whose lm_head projection is
@@ -71,8 +78,30 @@ def _save_shard(path: Path, tensors: dict[str, Tensor]) -> None:
     os.replace(tmp, path)
 
 
+def tap_file(folder: Path, tap: int) -> Path:
+    return Path(folder) / f"h{tap}.bf16"
+
+
+def _append_rows(path: Path, rows: Tensor) -> None:
+    with open(path, "ab") as handle:
+        handle.write(rows.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _cut_to(path: Path, tokens: int, hidden: int) -> None:
+    """Drop rows past `tokens` (an interrupted shard's partial append)."""
+    size = tokens * hidden * 2
+    with open(path, "ab") as handle:
+        if handle.tell() > size:
+            handle.truncate(size)
+        elif handle.tell() < size:
+            raise BenchError(f"feature file {path} is shorter than its finished shards: delete the cache folder "
+                             f"{path.parent} to extract again")
+
+
 class FeatureStore:
-    """A finished feature cache: read shard by shard or all at once."""
+    """A finished feature cache: token data from the shards, states mapped from the tap files."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -91,12 +120,11 @@ class FeatureStore:
 
     def load(self, taps: tuple[int, ...]) -> dict[str, Tensor]:
         """Everything concatenated: tokens [N] long, loss_mask [N] bool, offsets [S+1]
-        (sequence boundaries), h<tap> [N, d] bf16."""
+        (sequence boundaries), h<tap> [N, d] bf16 mapped from disk (read-only use)."""
         missing = [t for t in taps if t not in self.taps]
         if missing:
             raise BenchError(f"feature cache {self.folder} lacks tap {missing[0]}")
         parts: dict[str, list[Tensor]] = {"tokens": [], "loss_mask": [], "offsets": []}
-        parts.update({f"h{t}": [] for t in taps})
         base = 0
         for path in self.shard_paths():
             try:
@@ -104,27 +132,20 @@ class FeatureStore:
                     tokens = handle.get_tensor("tokens")
                     parts["tokens"].append(tokens.long())
                     parts["loss_mask"].append(handle.get_tensor("loss_mask").bool())
-                    offsets = handle.get_tensor("offsets")
-                    parts["offsets"].append(offsets[:-1] + base)
-                    for t in taps:
-                        parts[f"h{t}"].append(handle.get_tensor(f"h{t}"))
+                    parts["offsets"].append(handle.get_tensor("offsets")[:-1] + base)
             except Exception as exc:
                 raise BenchError(f"corrupt feature shard {path}: {exc}; delete it to re-extract") from None
             base += tokens.numel()
-        out = {k: torch.cat(v) for k, v in parts.items()}
+        out = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.long) for k, v in parts.items()}
         out["offsets"] = torch.cat([out["offsets"], torch.tensor([base])])
+        hidden = int(self.index["hidden_size"])
+        for t in taps:
+            path = tap_file(self.folder, t)
+            if not path.exists() or path.stat().st_size < base * hidden * 2:
+                raise BenchError(f"feature file {path} is missing or short: delete {self.folder} to extract again")
+            out[f"h{t}"] = torch.from_file(str(path), shared=False, size=base * hidden,
+                                           dtype=torch.bfloat16).view(base, hidden)
         return out
-
-    def sequences(self, taps: tuple[int, ...]) -> Iterator[tuple[Tensor, Tensor, dict[int, Tensor]]]:
-        """(tokens [n], loss_mask [n], {tap: hidden [n, d]}) per conversation."""
-        for path in self.shard_paths():
-            with safe_open(str(path), "pt") as handle:
-                tokens = handle.get_tensor("tokens").long()
-                mask = handle.get_tensor("loss_mask").bool()
-                offsets = handle.get_tensor("offsets").tolist()
-                hidden = {t: handle.get_tensor(f"h{t}") for t in taps}
-            for a, b in zip(offsets[:-1], offsets[1:]):
-                yield tokens[a:b], mask[a:b], {t: h[a:b] for t, h in hidden.items()}
 
 
 # ------------------------------------------------------------------ extraction
@@ -198,6 +219,33 @@ def _extract_shard(engine, sequences: list[tuple[Tensor, Tensor]], taps: tuple[i
     return shard
 
 
+def _shard_sequences(path: Path) -> list[tuple[Tensor, Tensor]]:
+    with safe_open(str(path), "pt") as handle:
+        tokens, mask, offsets = (handle.get_tensor(k) for k in ("tokens", "loss_mask", "offsets"))
+    bounds = offsets.tolist()
+    return [(tokens[a:b].long(), mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _to_flat(folder: Path, index: dict, progress: bool) -> None:
+    """Convert a cache whose states sit inside the shards into tap files (once; redone
+    from the start if interrupted, the shards untouched until the files are complete)."""
+    for tap in index["taps"]:
+        tap_file(folder, tap).unlink(missing_ok=True)
+    for shard in tqdm(index["shards"], desc="feature cache: one file per tap", disable=not progress):
+        with safe_open(str(folder / shard["file"]), "pt") as handle:
+            for tap in index["taps"]:
+                rows = handle.get_tensor(f"h{tap}")
+                index["hidden_size"] = int(rows.shape[-1])
+                _append_rows(tap_file(folder, tap), rows)
+    index["flat"] = True
+    write_json(folder / "index.json", index)
+    for shard in index["shards"]:  # drop the states from the shards (the tap files hold them now)
+        path = folder / shard["file"]
+        with safe_open(str(path), "pt") as handle:
+            kept = {k: handle.get_tensor(k) for k in ("tokens", "loss_mask", "offsets")}
+        _save_shard(path, kept)
+
+
 def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = None,
                     progress: bool = True) -> FeatureStore:
     """The feature cache for (target, data) holding at least `taps`: extracted (or
@@ -211,21 +259,24 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         raise BenchError(f"feature cache {folder} was extracted from other target weights: delete it")
     if index is None:
         index = {"format": FORMAT, "target": target.name, "target_fingerprint": target.fingerprint,
-                 "data": asdict(data), "taps": sorted(set(taps)), "shards": [], "done": False}
+                 "data": asdict(data), "taps": sorted(set(taps)), "shards": [], "done": False, "flat": True,
+                 "hidden_size": int(target.config.hidden_size)}
         write_json(index_path, index)
+    if not index.get("flat"):
+        _to_flat(folder, index, progress)
     engine = target.engine
+    hidden = int(index["hidden_size"])
+    done_tokens = sum(s["tokens"] for s in index["shards"])
+    for tap in index["taps"]:  # rows an interrupted shard appended beyond the finished ones
+        _cut_to(tap_file(folder, tap), done_tokens, hidden)
     new_taps = tuple(sorted(set(taps) - set(index["taps"])))
-    if new_taps:  # add the missing layers to every finished shard
+    if new_taps:  # one more target pass over the finished shards for the missing layers
+        for tap in new_taps:
+            tap_file(folder, tap).unlink(missing_ok=True)
         for shard in tqdm(index["shards"], desc=f"adding taps {new_taps}", disable=not progress):
-            path = folder / shard["file"]
-            with safe_open(str(path), "pt") as handle:
-                tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-            offsets = tensors["offsets"].tolist()
-            sequences = [(tensors["tokens"][a:b].long(), tensors["loss_mask"][a:b])
-                         for a, b in zip(offsets[:-1], offsets[1:])]
-            extra = _extract_shard(engine, sequences, new_taps)
-            tensors.update({k: v for k, v in extra.items() if k.startswith("h")})
-            _save_shard(path, tensors)
+            extra = _extract_shard(engine, _shard_sequences(folder / shard["file"]), new_taps)
+            for tap in new_taps:
+                _append_rows(tap_file(folder, tap), extra[f"h{tap}"])
         index["taps"] = sorted(set(index["taps"]) | set(new_taps))
         write_json(index_path, index)
     if index["done"] and index.get("exhausted") and data.self_distill:
@@ -235,7 +286,6 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             index.update(done=False, exhausted=False)  # more distilled data since: extend the cache
     if not index["done"]:
         all_taps = tuple(index["taps"])
-        done_tokens = sum(s["tokens"] for s in index["shards"])
         skip = sum(s["sequences"] for s in index["shards"])
         stream = _conversations(target, data, skip)  # the same order every time: resume after the last full shard
         bar = tqdm(total=data.max_tokens, initial=done_tokens, desc="extracting target features", unit="tok",
@@ -255,6 +305,8 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             if not batch:
                 break
             shard = _extract_shard(engine, batch, all_taps)
+            for tap in all_taps:  # the states first: a shard counts once the index lists it
+                _append_rows(tap_file(folder, tap), shard.pop(f"h{tap}"))
             name = f"shard_{len(index['shards']):05d}.safetensors"
             _save_shard(folder / name, shard)
             tokens = int(shard["tokens"].numel())
