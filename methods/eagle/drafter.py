@@ -165,12 +165,8 @@ class EagleDrafter(Drafter):
 
     def _step_visible(self, hidden: Tensor, embeds: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
         """head.step with a mask over every cache row (tree levels see their ancestors)."""
-        head = self.head
-        q, k, v = head.qkv(hidden[None], embeds[None], positions)
-        self.cache.append([(k, v)])
-        attn = F.scaled_dot_product_attention(q, *self.cache.view(0), attn_mask=visible,
-                                              scale=head.config.head_dim ** -0.5, enable_gqa=True)
-        return head.finish(hidden[None], attn)[0]
+        return self.head.step(hidden, embeds, positions, self.cache, visible=visible,
+                              scale=self.head.config.head_dim ** -0.5)
 
     def propose(self, state: DecodeState) -> Draft:
         root_out = self._extend_context()
