@@ -240,7 +240,7 @@ def test_draft_cache_after_partial_accepts_equals_recompute(default_target, prom
         cache = model.layer.new_cache(torch.float32, torch.device("cpu"))
         x = model.fuse(h, target.engine.embed[torch.tensor(tokens[1:])])
         with torch.no_grad():
-            out = model.layer.cached(x, torch.arange(1, s + 1), cache, drafter.rope)
+            out = model.layer.cached(x, torch.arange(0, s), cache, drafter.rope)
         assert keys.shape[-2] == s
         assert torch.allclose(keys, cache.k[..., :s, :], atol=1e-3)
         assert torch.allclose(g, model.out(out[-1]), atol=1e-3)
@@ -328,6 +328,7 @@ def test_training_resumes_and_exports(tiny_target, tmp_path, monkeypatch, one_th
     assert {"kl1", "acc1", "acc2"} <= set(read_log(out)[-1])  # TTT: the second recursion step is trained
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["method"] == "mtp" and manifest["variant"] == "sequential" and manifest["tap"] == 2
+    assert manifest["fuse_order"] == "embedding_first"  # DeepSeek-V3's order is what `bench train` trains
     assert manifest["target"]["fingerprint"] == tiny_target.fingerprint
     training = manifest["training"]
     assert training["steps"] == 3 and "git_sha" in training and len(training["heldout"]["acc"]) == 4
@@ -338,6 +339,7 @@ def test_training_resumes_and_exports(tiny_target, tmp_path, monkeypatch, one_th
         assert not any("embed" in k or "lm_head" in k for k in handle.keys())
     decoder = build(tiny_target, {"drafter": str(out), "depth": 3, "draft_dtype": "float32"})
     assert decoder.info["variant"] == "sequential" and decoder.info["trained_steps"] == 3
+    assert decoder.info["fuse_order"] == "embedding_first" and decoder.info["layout"] == "spec-bench"
     prompt = [1, 504, 3213, 28, 1790]
     base = decode(tiny_target.engine, Drafter(), prompt, DecodeConfig(max_new_tokens=20))
     assert decoder.run_turn(prompt, DecodeConfig(max_new_tokens=20)).tokens == base.tokens
@@ -350,6 +352,7 @@ def test_parallel_trains_into_its_own_folder(tiny_target, tmp_path, monkeypatch,
     assert summary["drafter"] == str(user_dir(tiny_target.name, "mtp-parallel"))
     manifest = json.loads((user_dir(tiny_target.name, "mtp-parallel") / MANIFEST).read_text())
     assert manifest["variant"] == "parallel" and manifest["architecture"]["heads"] == 2 and manifest["tap"] == 0
+    assert "fuse_order" not in manifest  # the heads fuse nothing
     assert len(manifest["training"]["heldout"]["acc"]) == 2
     decoder = build(tiny_target, {"variant": "parallel", "draft_dtype": "float32"})
     assert decoder.info["depth"] == 2
@@ -425,6 +428,7 @@ def test_bad_training_options(tiny_target, tmp_path):
     for options, message in [({"varient": "parallel"}, "unknown mtp training option"),
                              ({"variant": "tree"}, "variant 'tree' unknown"),
                              ({"variant": "parallel", "tap": 2}, "tap must be in 0..1"),
-                             ({"ttt_steps": 0}, ">= 1"), ({"init": "zeros"}, "init 'zeros'")]:
+                             ({"ttt_steps": 0}, ">= 1"), ({"init": "zeros"}, "init 'zeros'"),
+                             ({"fuse_order": "sideways"}, "fuse_order 'sideways' unknown")]:
         with pytest.raises(BenchError, match=message):
             mtp.train(tiny_target, _settings(tmp_path / "x", None, **options))

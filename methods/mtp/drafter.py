@@ -1,14 +1,16 @@
 """MTP drafting at decode time: the drafters' KV caches and the draft chain.
 
 sequential: drafting from the root x_s (position s, not yet in the target's KV cache):
-step 1 is row s with the target's h_{s-1}; step k feeds back the previous step's output g
+step 1 is row s, the pair (h_{s-1}, x_s) at RoPE position s-1 (the feature's position, as
+vLLM, SGLang and speculators place it); step k feeds back the previous step's output g
 (the module's *normed* output, the same kind of vector as tap L, which is what step 1 was
-trained on; DeepSeek passes the pre-norm output, but its next module normalises it
-anyway) with the embedding of the token just drafted, at position s+k-1. The drafter's
-one-layer KV cache holds only context rows 1..s (each from a true target feature); the
-chained rows are written after them and cropped at the end of every proposal, and the
-features of the committed rows of each verify pass are fed at the next proposal (the
-EAGLE "stable KV" scheme).
+trained on; so do SGLang's DeepSeek NextN, vLLM's Qwen3-Next and MiMo MTP and speculators,
+while vLLM's DeepSeek MTP feeds the pre-norm output) with the embedding of the token just
+drafted, at position s+k-2. The drafter's one-layer KV cache holds only context rows 1..s
+(each from a true target feature; slot i = row i+1 at position i); the chained rows are
+written after them and cropped at the end of every proposal, and the features of the
+committed rows of each verify pass are fed at the next proposal (the EAGLE "stable KV"
+scheme).
 
 parallel: one proposal = every head at the last position with a known trunk feature
 (s-1), so the chain d_1..d_n needs no recursion, and the heads' caches only ever hold
@@ -97,7 +99,7 @@ class SequentialDrafter(MtpDrafter):
         self.cache = model.layer.new_cache(dtype, self.device)
 
     def reset_caches(self) -> None:
-        self.cache.length = 0  # slot i holds row i+1 (row 0, the first token, has no feature before it)
+        self.cache.length = 0  # slot i holds row i+1 at position i (row 0, the first token, has no feature)
 
     @torch.inference_mode()
     def ingest(self, state: DecodeState) -> Tensor:
@@ -108,7 +110,7 @@ class SequentialDrafter(MtpDrafter):
             raise RuntimeError(f"mtp draft cache out of step: {self.cache.length} rows, next row {first}")
         tokens = torch.tensor(state.tokens[first: s + 1], device=self.device)
         x = self.model.fuse(self.unfed, self.embed[tokens].to(self.dtype))
-        out = self.model.layer.cached(x, torch.arange(first, s + 1, device=self.device), self.cache, self.rope)
+        out = self.model.layer.cached(x, torch.arange(first - 1, s, device=self.device), self.cache, self.rope)
         self.unfed = self.unfed[:0]
         return self.model.out(out[-1])
 
@@ -128,8 +130,7 @@ class SequentialDrafter(MtpDrafter):
                 q_rows.append(q)
             if step + 1 < depth:  # chain: own output + the drafted token, one position further
                 x = self.model.fuse(g[None], self.embed[token][None].to(self.dtype))
-                out = self.model.layer.cached(x, torch.tensor([s + step + 1], device=self.device), self.cache,
-                                              self.rope)
+                out = self.model.layer.cached(x, torch.tensor([s + step], device=self.device), self.cache, self.rope)
                 g = self.model.out(out[0])
         self.cache.crop(context)  # chained rows used the module's own features: drop them
         return Draft.chain(tokens, q=torch.stack(q_rows) if q_rows else None)
@@ -174,11 +175,12 @@ class ParallelDrafter(MtpDrafter):
 def make_drafter(target: Target, model: nn.Module, manifest: dict, depth: int | None = None, sample: bool = False,
                  dtype: torch.dtype = torch.float32) -> MtpDrafter:
     """The drafter for a loaded module (cast to `dtype` on the target's device); `depth`
-    defaults to 4 steps (sequential) or every head (parallel)."""
+    defaults to the folder's own proposal length (a speculators config's speculative_tokens),
+    else 4 steps (sequential) or every head (parallel)."""
     engine = target.engine
     model = model.to(device=engine.device, dtype=dtype).requires_grad_(False)
     if manifest["variant"] == "sequential":
-        depth = 4 if depth is None else depth
+        depth = min(manifest.get("depth") or 4, MAX_DEPTH) if depth is None else depth
         if not 1 <= depth <= MAX_DEPTH:
             raise BenchError(f"mtp depth must be in 1..{MAX_DEPTH}, got {depth}")
         return SequentialDrafter(model, engine, depth, sample, dtype)

@@ -24,6 +24,13 @@ from torch import Tensor, nn
 from bench.core.engine import Engine, KVCache, rms_norm, rotate_half
 
 VARIANTS = ("sequential", "parallel")
+# The halves of the fused input [a; b] of the sequential module's projection:
+# "embedding_first" = [RMSNorm(Emb(x_{t+1})); RMSNorm(h_t)], DeepSeek-V3's eh_proj order (also
+# Qwen3-Next's mtp.fc and speculators' input_proj), the default; "hidden_first" = the halves
+# swapped, the order of Xiaomi MiMo's MTP layers and of our drafters trained before the
+# default changed (a drafter.json without "fuse_order" is one of those).
+FUSE_ORDERS = ("embedding_first", "hidden_first")
+LEGACY_FUSE_ORDER = "hidden_first"
 
 
 class Rope:
@@ -139,12 +146,19 @@ class DecoderLayer(nn.Module):
 
 
 class SequentialMTP(nn.Module):
-    """DeepSeek-V3-style module: fuse (feature, next token) -> one layer -> final norm."""
+    """DeepSeek-V3-style module: fuse (next token, feature) -> one layer -> final norm.
 
-    def __init__(self, shape: LayerShape) -> None:
+    Parameter names map to DeepSeek-V3's `model.layers.{L}.*`: norm_e = enorm, norm_h = hnorm,
+    proj = eh_proj, layer = the decoder layer, final_norm = shared_head.norm (the layouts in
+    methods/mtp/layouts.py name the others)."""
+
+    def __init__(self, shape: LayerShape, fuse_order: str = FUSE_ORDERS[0]) -> None:
         super().__init__()
+        if fuse_order not in FUSE_ORDERS:
+            raise ValueError(f"fuse_order must be one of {FUSE_ORDERS}, got {fuse_order!r}")
         d = shape.hidden_size
         self.shape = shape
+        self.fuse_order = fuse_order
         self.norm_h = nn.Parameter(torch.ones(d))
         self.norm_e = nn.Parameter(torch.ones(d))
         self.proj = nn.Parameter(torch.empty(d, 2 * d))
@@ -153,9 +167,10 @@ class SequentialMTP(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(d))
 
     def fuse(self, feature: Tensor, embedding: Tensor) -> Tensor:
+        """proj([RMSNorm(embedding); RMSNorm(feature)]), halves in `fuse_order`."""
         eps = self.shape.rms_norm_eps
-        return F.linear(torch.cat([rms_norm(feature, self.norm_h, eps), rms_norm(embedding, self.norm_e, eps)], -1),
-                        self.proj)
+        e, h = rms_norm(embedding, self.norm_e, eps), rms_norm(feature, self.norm_h, eps)
+        return F.linear(torch.cat([e, h] if self.fuse_order == "embedding_first" else [h, e], -1), self.proj)
 
     def out(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.final_norm, self.shape.rms_norm_eps)
@@ -180,10 +195,10 @@ class ParallelMTP(nn.Module):
         self.heads = nn.ModuleList(ParallelHead(shape) for _ in range(num_heads))
 
 
-def new_model(variant: str, shape: LayerShape, heads: int = 3) -> nn.Module:
+def new_model(variant: str, shape: LayerShape, heads: int = 3, fuse_order: str = FUSE_ORDERS[0]) -> nn.Module:
     """An untrained module of `variant` (one of VARIANTS; anything else is parallel)."""
     if variant == "sequential":
-        return SequentialMTP(shape)
+        return SequentialMTP(shape, fuse_order)
     return ParallelMTP(shape, heads)
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from bench.core.drafters import WEIGHTS, read_manifest, user_dir, write_drafter
 from bench.core.errors import BenchError
 from methods.mtp.loss import distill_loss
-from methods.mtp.model import VARIANTS, LayerShape, Rope, chained_outputs, new_model
+from methods.mtp.model import FUSE_ORDERS, VARIANTS, LayerShape, Rope, chained_outputs, new_model
 from methods.mtp.store import FORMAT, METHOD, drafter_key
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ class MtpSettings:
     """`bench train --method mtp --option k=v` options."""
 
     variant: str = "sequential"
+    # sequential: halves of the fused input, "embedding_first" (DeepSeek-V3) or "hidden_first"
+    # (MiMo; our drafters trained before the default changed); methods/mtp/model.FUSE_ORDERS
+    fuse_order: str = "embedding_first"
     ttt_steps: int = 2  # sequential: recursion depth trained (EAGLE-3 TTT); 1 = plain MTP-1
     heads: int = 3  # parallel: heads (x_{t+2}..x_{t+1+heads})
     tap: int | None = None  # parallel trunk tap (default L-2: in the shared feature cache)
@@ -61,6 +64,8 @@ class MtpSettings:
         settings = cls(**options)
         if settings.variant not in VARIANTS:
             raise BenchError(f"mtp variant '{settings.variant}' unknown (choose from {', '.join(VARIANTS)})")
+        if settings.fuse_order not in FUSE_ORDERS:
+            raise BenchError(f"mtp fuse_order '{settings.fuse_order}' unknown (choose from {', '.join(FUSE_ORDERS)})")
         if settings.init not in ("target", "random"):
             raise BenchError(f"mtp init '{settings.init}' unknown (target | random)")
         if settings.ttt_steps < 1 or settings.heads < 1 or settings.eval_steps < 1:
@@ -95,7 +100,7 @@ def init_model(target: Target, settings: MtpSettings) -> nn.Module:
     embeddings started far from the target, see bench/training/draft_lm.init_layers)."""
     engine = target.engine
     shape = LayerShape.of(engine)
-    model = new_model(settings.variant, shape, settings.heads)
+    model = new_model(settings.variant, shape, settings.heads, settings.fuse_order)
     if settings.init == "random":
         return model
     if settings.variant == "sequential":
@@ -178,8 +183,9 @@ class MtpObjective:
             tokens, mask, final, trunk, positions = self._window(window)
             n = tokens.shape[0]
             if self.variant == "sequential":
-                # rows r = 0..n-2 are positions j = r+1: input (h_{j-1}, x_j), teacher h_j
-                cos, sin = self.rope(positions[1:])
+                # rows r = 0..n-2 are rows j = r+1: input (h_{j-1}, x_j), teacher h_j; RoPE at
+                # j-1, the position of the feature (DeepSeek-V3 / vLLM / speculators)
+                cos, sin = self.rope(positions[:-1])
                 outs = chained_outputs(self.model, final[:-1], self.embed[tokens[1:]], cos, sin, steps)
                 rows = torch.arange(n - 1, device=self.device)
                 students.append(outs)
@@ -310,6 +316,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
         manifest = {
             "format": FORMAT, "method": METHOD, "variant": opts.variant, "target": target_info, "weights": WEIGHTS,
             "architecture": architecture, "tap": trunk, "teacher_tap": num_layers,
+            **({"fuse_order": opts.fuse_order} if opts.variant == "sequential" else {}),
             "shared": ["embedding", "lm_head"], "mtp_settings": asdict(opts),
             "training": {
                 "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size,
