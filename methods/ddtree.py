@@ -3,7 +3,9 @@
 The DFlash drafter's per-slot distributions are independent of each other, so a tree
 over them costs no extra draft passes: nodes are taken in order of summed log-prob
 (methods/dflash/drafter.py: ddtree) until the node budget, and the target verifies the
-whole tree in one pass with tree attention. Uses the dflash drafter.
+whole tree in one pass with tree attention. Uses the dflash drafter (any layout it
+loads), with its convention: under z-lab's, the B-1 mask slots of [root, MASK x (B-1)]
+give the tree's levels 1..B-1.
 
     bench run --method ddtree --task humaneval [--option budget=16]
 
@@ -20,6 +22,8 @@ from methods.dflash import load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "ddtree"
+CONVENTION = ("DDTree (liranringel/ddtree ddtree.py): best-first tree on summed log-probs over the per-slot "
+              "top-k of one pass of the dflash drafter (z-lab convention: B-1 levels), root = the bonus token")
 
 
 @dataclass(frozen=True)

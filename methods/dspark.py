@@ -1,6 +1,15 @@
 """DSpark (Cheng et al. 2607.05147): the DFlash backbone plus a Markov head and a
 confidence head, with confidence-scheduled verification.
 
+Conventions: the paper's and DeepSpec's, with speculators' names (models/dspark: config
+`markov_rank`, `markov_head_type` vanilla, `enable_confidence_head`,
+`confidence_head_with_markov`, `sample_from_anchor`; weights `markov_head.markov_w1`,
+`markov_head.markov_w2`, `confidence_head.proj`). The backbone is z-lab's DFlash (q/k-norm,
+the target's embedding of `mask_token_id` in the mask slots, z-lab taps); as in the paper
+(§3.1: gamma inputs give gamma logits) and speculators' dspark default, the anchor slot drafts
+too (`sample_from_anchor=True`: a block of B slots gives B drafts). A drafter trained with
+`--option sample_from_anchor=false` drafts B-1, as DFlash.
+
 - Markov head: each slot's logits get a rank-r bigram correction from the previous draft
   token, applied left to right, so drafts are semi-autoregressive at almost no cost and
   a sampled draft's q is exactly the distribution it was drawn from.
@@ -11,6 +20,7 @@ confidence head, with confidence-scheduled verification.
 
     bench train --method dspark [--option block_size=16 --option markov_rank=64]
     bench run --method dspark --task humaneval [--option schedule=threshold --option threshold=0.5]
+    bench export --method dspark --format speculators --out DIR
 
 t_v(k) comes from a few seconds of measurement on the target when the decoder is built.
 Options: see `Options` below.
@@ -19,6 +29,7 @@ Options: see `Options` below.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from bench.core.decode import LoopDecoder
@@ -28,13 +39,16 @@ from methods.dflash import block_for, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "dspark"
+CONVENTION = ("DSpark paper (Cheng et al. 2607.05147) with speculators' dspark names (markov_w1/markov_w2, "
+              "confidence_head, markov_rank): z-lab DFlash backbone, sample_from_anchor=True (B slots give B drafts)")
+EXPORT_FORMATS = ("speculators",)
 
 
 @dataclass(frozen=True)
 class Options:
     """schedule: throughput | threshold | none (see above); threshold: the cut for
-    schedule=threshold; block: drafts per round before the schedule cuts (default the
-    trained block size); drafter, dtype: as dflash.
+    schedule=threshold; block: drafts per round before the schedule cuts (default all of a
+    block's: B with sample_from_anchor, B-1 without); drafter, dtype: as dflash.
 
     --budget K: block = K with schedule none, so every round verifies K drafts as dflash
     does; an explicit schedule wins, and K is then the most it may verify."""
@@ -60,13 +74,23 @@ def build(target, options: dict | Options | None = None) -> LoopDecoder:
 
     opts = parse_options(Options, options, METHOD)
     model, manifest = load_model(target, METHOD, opts)
-    if not model.config.confidence:
+    if not model.config.enable_confidence_head:
         raise BenchError("the dspark drafter has no confidence head: train it with `bench train --method dspark`")
     settings = BlockSettings(mode="scheduled", block=block_for(model, opts.block, METHOD), schedule=opts.schedule,
                              threshold=opts.threshold)
     costs = quick_chain_costs(target.engine, settings.block + 1) if opts.schedule == "throughput" else None
     drafter = BlockDrafter(target, model, settings, name=METHOD, verify_seconds=costs)
     return LoopDecoder(target, drafter, manifest["info"])
+
+
+def export(target, drafter: str | None, fmt: str, out: Path) -> Path:
+    """Write the dspark drafter (found as `bench run` finds it) as a speculators dspark folder."""
+    from bench.core.drafters import find_drafter
+    from methods.dflash.formats import export_drafter
+
+    if fmt not in EXPORT_FORMATS:
+        raise BenchError(f"{METHOD} exports to {', '.join(EXPORT_FORMATS)}, not '{fmt}'")
+    return export_drafter(target, Path(find_drafter(target.name, METHOD, drafter)), fmt, Path(out), (METHOD,))
 
 
 def train(target, settings) -> dict:

@@ -1,6 +1,8 @@
 """DFlash, DDTree and DSpark: the best-first tree, the throughput scheduler, the training
-blocks' visibility, lossless decoding with untrained drafters, training and resume, and
-the drafter folder's checks."""
+blocks' visibility and labels under both conventions, lossless decoding with untrained
+drafters, training and resume, legacy drafters, and the drafter folder's checks.
+Parity with z-lab's reference is in tests/test_dflash_reference.py, the published layouts
+in tests/test_dflash_formats.py."""
 
 import json
 
@@ -11,7 +13,7 @@ from bench.core.decode import DecodeConfig, Drafter, decode
 from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
 from methods.dflash.drafter import BlockDrafter, BlockSettings, admit_by_throughput, ddtree
-from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
+from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps, zlab_taps
 from methods.dflash.training import BlockObjective, BlockTrainSettings, export_model
 
 
@@ -20,19 +22,22 @@ def prompt_of(target, text="Write a python function that adds two numbers."):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def random_model(target, block=8, markov=0, confidence=False, draft_vocab=2048, seed=0):
+def random_model(target, block=8, markov=0, confidence=False, draft_vocab=2048, seed=0, anchor=False):
     torch.manual_seed(seed)
-    config = BlockConfig.for_target(target.config, block_taps(target.config.num_hidden_layers), num_layers=2,
+    config = BlockConfig.for_target(target.config, zlab_taps(target.config.num_hidden_layers, 2), num_layers=2,
                                     block_size=block, draft_vocab_size=draft_vocab, markov_rank=markov,
-                                    confidence=confidence)
+                                    enable_confidence_head=confidence, mask_token_id=16, sample_from_anchor=anchor)
     model = BlockDraftModel(config)
-    model.draft_to_target.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values)
+    if draft_vocab:
+        model.draft_to_target.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values)
     return model
 
 
 def test_block_taps_span_the_target():
-    assert block_taps(30) == [2, 9, 15, 21, 27]
-    assert block_taps(36, 5)[0] == 2 and block_taps(36, 5)[-1] == 33
+    # z-lab's build_target_layer_ids over [1, L-3] (Python's round), read at hidden_states[id + 1]
+    assert zlab_taps(30, 3) == [2, 15, 28] and zlab_taps(30, 5) == [2, 9, 15, 21, 28] and zlab_taps(30, 1) == [16]
+    assert zlab_taps(36, 5) == [2, 10, 18, 26, 34]  # DeepSpec's Qwen3 taps [1, 9, 17, 25, 33], + 1
+    assert block_taps(30) == [2, 9, 15, 21, 27]  # ours before the z-lab convention
 
 
 def test_ddtree_is_best_first_and_ancestor_closed():
@@ -60,26 +65,39 @@ def test_throughput_admission_stops_at_the_first_drop():
     assert admit_by_throughput([0.5, 0.5], [1.0, 1.0, 2.0, 1.0], 0.0, look_ahead=True) == 2
 
 
-def test_training_blocks_see_only_their_past_and_themselves(default_target):
-    model = random_model(default_target, block=4)
+@pytest.mark.parametrize("anchor", [False, True])
+def test_training_blocks_see_only_their_past_and_themselves(default_target, anchor):
+    model = random_model(default_target, block=4, anchor=anchor, draft_vocab=None)
     objective = BlockObjective(model, default_target.engine.embed.float(), default_target.engine.lm_head.float()[
         model.draft_to_target], default_target.config.num_hidden_layers, BlockTrainSettings(block_size=4, anchors=3))
     tokens = torch.arange(12)[None]
     mask = torch.zeros(1, 12, dtype=torch.bool)
-    mask[0, 5:10] = True
+    mask[0, 5:10] = True  # positions 5..9 predict reply tokens 6..10
     blocks = objective.blocks({"tokens": tokens, "mask": mask, "lengths": torch.tensor([12])})
     anchors = blocks["anchors"][0].tolist()
     assert all(5 <= a <= 9 for a in anchors)
     attention = blocks["attention"][0, 0]  # [A*b, T + A*b]
-    for j, anchor in enumerate(anchors):
+    for j, anchor_at in enumerate(anchors):
         for slot in range(4):
             row = attention[j * 4 + slot]
-            assert row[:12].tolist() == [t < anchor for t in range(12)]
+            assert row[:12].tolist() == [t < anchor_at for t in range(12)]
             own = [j * 4 + s for s in range(4)]
             assert row[12:].nonzero().flatten().tolist() == own
-    # scored slots predict reply tokens only (mask[p] means token p+1 is a reply token)
-    positions = blocks["slot_positions"][0]
-    assert bool(mask[0][positions[blocks["scored"][0]]].all())
+            # z-lab: slot i >= 1 drafts x_{a+i} (labelled at row a+i-1); anchor drafts: slot i drafts x_{a+i+1}
+            first = 0 if anchor else 1
+            label = anchor_at + slot - first
+            scored = bool(blocks["scored"][0, j, slot])
+            assert scored == (slot >= first and bool(mask[0, label]) and label + 1 < 12
+                              and bool(objective.in_draft_vocab[label + 1]))
+            if scored:
+                assert int(blocks["label_rows"][0, j, slot]) == label
+    assert not anchor or bool(blocks["scored"][0, :, 0].any())
+    assert anchor or not bool(blocks["scored"][0, :, 0].any())  # a z-lab anchor slot drafts nothing
+    out = objective.forward({"tokens": tokens, "mask": mask, "lengths": torch.tensor([12]),
+                             **{f"h{t}": torch.randn(1, 12, 576) for t in set(model.config.taps) | {30}}})
+    assert int(out["slots"].min()) >= 0 and int(out["slots"].max()) <= model.config.drafts_per_block - 1
+    weights = objective.slot_weights  # exp(-k/gamma) for the k-th draft (gamma 4 for a block of 4)
+    assert torch.allclose(weights, torch.exp(-torch.arange(3 + int(anchor)) / 4.0))
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "scheduled"])
@@ -94,7 +112,9 @@ def test_untrained_block_drafters_are_lossless(default_target, one_thread, mode)
     result = decode(target.engine, BlockDrafter(target, model, settings, mode, costs), prompt, config)
     assert result.tokens == reference
     if mode == "chain":
-        assert set(result.tree_sizes) == {6}
+        generated = [1 + sum(a + 1 for a in result.accept_lengths[:r]) for r in range(len(result.tree_sizes))]
+        # 6 drafts a round, at most what is left to generate (as z-lab's last rounds)
+        assert result.tree_sizes == [min(6, 20 - g) for g in generated] and 6 in result.tree_sizes
     if mode == "tree":
         assert set(result.tree_sizes) == {10}
     generator = torch.Generator().manual_seed(0)
@@ -105,7 +125,7 @@ def test_untrained_block_drafters_are_lossless(default_target, one_thread, mode)
 
 def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
     target = default_target
-    model = random_model(target, markov=16, confidence=True).eval()
+    model = random_model(target, markov=16, confidence=True, anchor=True).eval()
     drafter = BlockDrafter(target, model, BlockSettings(mode="scheduled", block=5, schedule="none"), "dspark")
     prefill = target.engine.prefill(torch.tensor(prompt_of(target)), taps=drafter.taps)
     from bench.core.decode import DecodeState
@@ -122,8 +142,8 @@ def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
     assert float(draft.q[:, outside].sum()) == 0.0  # only draft-vocabulary tokens can be drawn
     assert all(float(draft.q[i, t]) > 0 for i, t in enumerate(draft.tokens))
     # the Markov correction makes q_i depend on the previous draft token: recompute slot 1
-    hidden = drafter._backbone(state.root)
-    logits = torch.nn.functional.linear(hidden, drafter.lm_head).float()
+    hidden = drafter._backbone(state.root, 5)
+    logits = model.logits(hidden, drafter.lm_head)
     previous = torch.tensor(draft.tokens[0])
     row = logits[1] + model.markov_bias(model.markov_state(previous)).float()
     assert torch.allclose(draft.q[1, model.draft_to_target], row.softmax(-1), atol=1e-5)
@@ -155,8 +175,12 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     folder = tiny_training(3, method).out_dir
     manifest = json.loads((folder / "drafter.json").read_text())
     assert manifest["target"]["fingerprint"] == default_target.fingerprint
-    assert len(manifest["heldout"]["slot_accuracy"]) == 4
-    assert manifest["architecture"]["confidence"] == (method == "dspark")
+    # a block of 4 slots: 3 drafts under z-lab's convention (dflash), 4 with sample_from_anchor (dspark)
+    assert len(manifest["heldout"]["slot_accuracy"]) == (4 if method == "dspark" else 3)
+    arch = manifest["architecture"]
+    assert arch["enable_confidence_head"] == (method == "dspark") and arch["sample_from_anchor"] == (method == "dspark")
+    assert arch["mask_token_id"] == 16 and arch["qk_norm"] and arch["draft_vocab_size"] == 1024
+    assert arch["taps"] == zlab_taps(30, 3) and arch["num_layers"] == 3
     prompt = prompt_of(default_target)
     config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
     reference = decode(default_target.engine, Drafter(), prompt, config).tokens

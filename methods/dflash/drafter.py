@@ -4,7 +4,14 @@ Context. The drafter keeps, per draft layer, the keys/values of the fused target
 features of every committed token whose features the target has computed: after the
 prefill the prompt, after each verify pass the root and the accepted drafts. The root
 (the last committed token) has no features yet; it is the block's anchor, at position
-= the context length. The block itself is never cached: it is recomputed each round.
+= the context length. The block itself is never cached: it is recomputed each round
+(z-lab's dflash_generate crops its draft cache back to the context the same way).
+
+Block. [root, MASK x n]: under z-lab's convention (the default) the n mask slots give n
+drafts, the token at each slot's own position; a drafter with `sample_from_anchor` drafts
+from the root's slot too (n+1 drafts from n+1 slots). A round drafts at most the trained
+block's drafts, `block` (dflash, dspark) and the tokens still to generate; the pass runs
+only the slots it needs, as z-lab's `verify_size = min(block_size, max_length - start)`.
 
 One backbone pass gives every slot's logits U_i (over the draft vocabulary). Then:
 - dflash: the argmax of each slot, a chain of `block` drafts. Deterministic drafts, so
@@ -32,7 +39,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from bench.core.decode import DecodeState, Drafter
@@ -46,7 +52,7 @@ from methods.dflash.model import BlockDraftModel
 @dataclass
 class BlockSettings:
     mode: str = "chain"  # "chain" (dflash) | "tree" (ddtree) | "scheduled" (dspark)
-    block: int = 16  # drafts per round (<= the model's block size)
+    block: int = 16  # drafts per round (<= the drafter's drafts per block)
     budget: int = 16  # tree: draft nodes
     schedule: str = "throughput"  # scheduled: "throughput" | "threshold" | "none"
     threshold: float = 0.5  # scheduled/threshold: cut at the first c_i below this
@@ -152,33 +158,43 @@ class BlockDrafter(Drafter):
         self.cache.append(self.model.context_kv(context, positions))
         self.pending = []
 
-    def _backbone(self, root: int) -> Tensor:
-        """Final hidden states of the block [slots, d] anchored at the root."""
-        slots = self.model.config.block_size
+    def _backbone(self, root: int, drafts: int) -> Tensor:
+        """Final hidden states [drafts, d] of the slots that draft, from one pass over the
+        block anchored at the root: [root, MASK x drafts] (z-lab) or [root, MASK x
+        (drafts-1)] (anchor drafts); a shorter block than trained near max_new_tokens or
+        with a smaller `block`, as z-lab's dflash_generate."""
+        first = self.model.config.first_draft_slot
+        slots = drafts + first
         start = self.cache.length  # the root's position
         x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed, slots)
         positions = torch.arange(start, start + slots, device=self.embed.device)[None]
         views = [self.cache.view(layer) for layer in range(self.model.config.num_layers)]
-        return self.model.forward_block(x, positions, views)[0]
+        return self.model.forward_block(x, positions, views)[0, first:]
+
+    def drafts_for(self, state: DecodeState, wanted: int) -> int:
+        """Drafts this round: `wanted`, at most a block's and the tokens still to generate."""
+        left = state.config.max_new_tokens - len(state.generated)
+        return max(1, min(wanted, self.model.config.drafts_per_block, left))
 
     # -------------------------------------------------------------- draft
     def propose(self, state: DecodeState) -> Draft:
         with torch.inference_mode():
             started = time.perf_counter()
             self._extend_context()
-            hidden = self._backbone(state.root)
-            logits = F.linear(hidden, self.lm_head).float()  # U_i over the draft vocabulary
+            tree = self.settings.mode == "tree"
+            drafts = self.drafts_for(state, self.model.config.drafts_per_block if tree else self.settings.block)
+            hidden = self._backbone(state.root, drafts)
+            logits = self.model.logits(hidden, self.lm_head)  # U_i over the draft vocabulary
             if self.settings.mode == "scheduled":
                 return self._scheduled(state, hidden, logits, started)
-            if self.settings.mode == "tree":
+            if tree:
                 tokens, parents, _ = ddtree(logits.log_softmax(-1), self.settings.budget)
                 return Draft([int(self.vocab[t]) for t in tokens], parents)
-            block = min(self.settings.block, logits.shape[0])
-            return Draft.chain(self.vocab[logits[:block].argmax(-1)].tolist())
+            return Draft.chain(self.vocab[logits.argmax(-1)].tolist())
 
     def _scheduled(self, state: DecodeState, hidden: Tensor, logits: Tensor, started: float) -> Draft:
         model, sampling = self.model, state.config.sampling
-        block = min(self.settings.block, logits.shape[0])
+        block = logits.shape[0]
         previous = state.root
         tokens: list[int] = []
         q_rows: list[Tensor] = []
@@ -187,7 +203,7 @@ class BlockDrafter(Drafter):
             markov = model.markov_state(torch.tensor(previous, device=logits.device)) if model.config.markov_rank \
                 else None
             row = logits[i] + model.markov_bias(markov).float() if markov is not None else logits[i]
-            if model.config.confidence:
+            if model.config.enable_confidence_head:
                 confidences.append(float(torch.sigmoid(model.confidence_logit(hidden[i], markov).float())))
             if sampling.greedy:
                 draft_id = int(row.argmax())

@@ -1,14 +1,22 @@
 """Training block drafters (DFlash, DSpark) on cached target features.
 
 Each step takes whole conversations from the feature cache and draws `anchors` random
-anchor positions per conversation among reply positions. The block anchored at a holds
-[x_a, MASK x (b-1)] at positions a..a+b-1; it sees the fused target features strictly
-before a (the target has not run x_a yet at decode time) and its own slots in both
-directions, never another block. Slot i predicts x_{a+i+1}; its label is the target's
-own distribution there, softmax(lm_head(h_L[a+i])), restricted to the draft vocabulary.
+anchor positions per conversation among reply positions (as SpecForge's and speculators'
+`max_anchors`). The block anchored at a holds [x_a, MASK x (B-1)] at positions a..a+B-1;
+it sees the fused target features strictly before a (the target has not run x_a yet at
+decode time) and its own slots in both directions, never another block.
 
-Losses, each weighted per slot by exp(-i/decay) (later slots matter less: they are
-verified only if every earlier one survives):
+Which slot predicts what is the drafter's convention (methods/dflash/model.py):
+- z-lab's (DFlash default): slot i >= 1 predicts x_{a+i}, the token at its own position;
+  slot 0 (the anchor) is not scored;
+- `sample_from_anchor` (DSpark default, as its paper): slot i predicts x_{a+i+1}.
+Either way the k-th draft of a block (k = 0, 1, ..) is labelled with the target's own
+distribution at the position before its token, softmax(lm_head(h_L)), restricted to the
+draft vocabulary, and only reply tokens are scored.
+
+Losses, each weighted by exp(-k/decay) for the k-th draft (SpecForge's and speculators'
+decay: exp(-(i-1)/gamma) for slot i under z-lab's convention; later drafts matter less,
+being verified only if every earlier one survives):
 - DFlash: soft cross-entropy against the target's distribution.
 - DSpark (its paper's eq. 9-12): 0.1 CE + 0.9 ||p_d - p_t||_1 on the Markov-corrected draft
   distribution p_d (teacher forcing: x_{i-1} is the data's token), plus
@@ -29,25 +37,28 @@ from torch import Tensor
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
-from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps
+from methods.dflash.model import BlockConfig, BlockDraftModel, default_mask_token_id, zlab_taps
 from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
 
-FORMAT = "spec-bench-block-drafter/1"
+FORMAT = "spec-bench-block-drafter/2"  # /1: legacy names and convention
 
 
 @dataclass
 class BlockTrainSettings:
-    num_layers: int = 2  # DFlash uses 5 for 4-8B targets; 2 keeps a CPU hour and the shipped size small
-    block_size: int = 16
-    taps: int = 5  # target layers fused into the context
-    anchors: int = 24  # blocks per conversation per step
-    decay: float = 0.0  # slot weight exp(-i/decay); 0 = by block size (7 for 16, 4 up to 10)
-    draft_vocab: int = 16384  # rows of the target's lm_head scored (0 = all)
+    num_layers: int = 3  # DFlash uses 5 for 4-8B targets; 3 keeps a CPU run short and the shipped size small
+    block_size: int = 16  # input slots per block, the anchor's included (z-lab's block_size)
+    taps: int = 0  # target layers fused into the context; 0 = one per draft layer (z-lab's build_target_layer_ids)
+    anchors: int = 24  # blocks per conversation per step (SpecForge / speculators: max_anchors 512)
+    decay: float = 0.0  # gamma: the k-th draft weighs exp(-k/decay); 0 = by block size (7 for 16, 4 up to 10)
+    draft_vocab: int = 0  # rows of the target's lm_head scored (0 = all, as z-lab; speculators' draft_vocab_size)
+    sample_from_anchor: bool = False  # the anchor slot drafts too (B drafts per block; DSpark's default)
+    mask_token_id: int = -1  # the mask slots' token (-1: the tokenizer's mask token, else see default_mask_token_id)
     markov_rank: int = 0  # DSpark: rank of the bigram correction (0 = DFlash)
-    confidence: bool = False  # DSpark: train the confidence head
+    enable_confidence_head: bool = False  # DSpark: train the confidence head
+    confidence_head_with_markov: bool = True  # DSpark: the confidence head also reads W1[x_{i-1}]
     ce_weight: float = 1.0
     l1_weight: float = 0.0  # DSpark: 0.9
-    bce_weight: float = 0.0  # DSpark: 1.0
+    bce_weight: float = 0.0  # DSpark: 1.0 (speculators' confidence_head_alpha)
     feature_tokens: int = FeatureData.max_tokens
     max_len: int = FeatureData.max_len
     self_distill: bool = False
@@ -56,7 +67,8 @@ class BlockTrainSettings:
         return self.decay or max(4.0, (self.block_size - 2) / 2)
 
 
-DSPARK_DEFAULTS = {"markov_rank": 64, "confidence": True, "ce_weight": 0.1, "l1_weight": 0.9, "bce_weight": 1.0}
+DSPARK_DEFAULTS = {"markov_rank": 64, "enable_confidence_head": True, "sample_from_anchor": True, "ce_weight": 0.1,
+                   "l1_weight": 0.9, "bce_weight": 1.0}
 
 
 class BlockObjective:
@@ -71,30 +83,38 @@ class BlockObjective:
         vocab = model.draft_to_target
         self.in_draft_vocab = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=embed.device)
         self.in_draft_vocab[vocab.to(embed.device)] = True
-        slots = torch.arange(model.config.block_size, dtype=torch.float32, device=embed.device)
-        self.slot_weights = torch.exp(-slots / settings.slot_decay())
+        # exp(-k/decay) for the k-th draft of a block (slot k+1 under z-lab's convention, whose
+        # anchor slot drafts nothing: SpecForge's exp(-(i-1)/gamma); slot k with sample_from_anchor)
+        drafts = torch.arange(model.config.drafts_per_block, dtype=torch.float32, device=embed.device)
+        self.slot_weights = torch.exp(-drafts / settings.slot_decay())
 
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def blocks(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Random anchors and everything indexed by them: slot positions [B, A, b], which
+        """Random anchors and everything indexed by them: slot positions [B, A, b], the row
+        whose target distribution labels each slot (the position before its token), which
         slots are scored, and the attention mask [B, 1, A*b, T + A*b]."""
         tokens, mask, lengths = batch["tokens"], batch["mask"], batch["lengths"]
         size, width = tokens.shape
         b, count = self.model.config.block_size, self.settings.anchors
+        first = self.model.config.first_draft_slot
         device = tokens.device
         positions = torch.arange(width, device=device)
-        candidates = mask & (positions[None] >= 1)
+        candidates = mask & (positions[None] >= 1)  # the first draft, x_{a+1}, is a reply token
         # Random scores, best `count` candidates per row: sampling without replacement.
         scores = torch.rand(size, width, device=device).masked_fill(~candidates, -1.0)
         top, anchors = scores.topk(min(count, width), dim=1)
         anchor_ok = top >= 0
-        slot_positions = anchors[:, :, None] + torch.arange(b, device=device)
+        slots = torch.arange(b, device=device)
+        slot_positions = anchors[:, :, None] + slots
         clamped = slot_positions.clamp(max=width - 1)
-        scored = (anchor_ok[:, :, None] & (slot_positions + 1 < lengths[:, None, None])
-                  & torch.gather(mask, 1, clamped.flatten(1)).view_as(clamped))
-        next_tokens = torch.gather(tokens, 1, (clamped + 1).clamp(max=width - 1).flatten(1)).view_as(clamped)
+        # Slot i's token is x_{a+i} (z-lab) or x_{a+i+1} (anchor drafts): labelled by row a+i-1 / a+i.
+        label_rows = slot_positions - first
+        label_clamped = label_rows.clamp(min=0, max=width - 1)
+        scored = (anchor_ok[:, :, None] & (slots >= first) & (label_rows + 1 < lengths[:, None, None])
+                  & torch.gather(mask, 1, label_clamped.flatten(1)).view_as(label_clamped))
+        next_tokens = torch.gather(tokens, 1, (label_clamped + 1).clamp(max=width - 1).flatten(1)).view_as(clamped)
         scored &= self.in_draft_vocab[next_tokens]  # a token outside the draft vocabulary cannot be drafted
         blocks = anchors.shape[1]
         sees_context = positions[None, None, :] < anchors[:, :, None]  # [B, A, T]
@@ -102,7 +122,8 @@ class BlockObjective:
         block_id = torch.arange(blocks, device=device).repeat_interleave(b)
         sees_block = (block_id[:, None] == block_id[None, :])[None].expand(size, -1, -1)
         attention = torch.cat([sees_context, sees_block], dim=2)[:, None]
-        return {"anchors": anchors, "slot_positions": clamped, "scored": scored, "attention": attention}
+        return {"anchors": anchors, "slot_positions": clamped, "label_rows": label_clamped, "scored": scored,
+                "attention": attention}
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         model, c = self.model, self.model.config
@@ -115,12 +136,13 @@ class BlockObjective:
         positions = blocks["slot_positions"].flatten(1)
         hidden = model.forward_block(x, positions, context_kv, blocks["attention"])
         scored = blocks["scored"].flatten(1)
-        rows = positions[scored]
+        rows = blocks["label_rows"].flatten(1)[scored]
         batch_rows = torch.arange(size, device=x.device)[:, None].expand_as(positions)[scored]
         slots = torch.arange(c.block_size, device=x.device).repeat(blocks["anchors"].shape[1])[None].expand(size, -1)
         final = batch[f"h{self.final_tap}"][batch_rows, rows]
+        # the token before each drafted one (the Markov head's x_{i-1}): the data's, at the label row
         return {"hidden": hidden[scored], "teacher": final, "previous": batch["tokens"][batch_rows, rows],
-                "slots": slots[scored]}
+                "slots": slots[scored] - c.first_draft_slot}
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         s, model = self.settings, self.model
@@ -129,7 +151,7 @@ class BlockObjective:
             out = self.forward(batch)
             if out["hidden"].shape[0] == 0:
                 raise BenchError("no scored positions in a batch: the feature cache holds no replies")
-            logits = F.linear(out["hidden"], self.lm_head).float()
+            logits = model.logits(out["hidden"], self.lm_head)
             with torch.no_grad():
                 teacher = F.linear(out["teacher"], self.lm_head).float().log_softmax(-1)
             markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
@@ -142,11 +164,11 @@ class BlockObjective:
             ce = -(p_teacher * log_p).sum(-1)
             loss = s.ce_weight * (weights * ce).sum() / norm
             metrics = {"ce": float((weights * ce).sum().detach() / norm)}
-            if s.l1_weight or (model.config.confidence and s.bce_weight):
+            if s.l1_weight or (model.config.enable_confidence_head and s.bce_weight):
                 l1 = (log_p.exp() - p_teacher).abs().sum(-1)
                 loss = loss + s.l1_weight * (weights * l1).sum() / norm
                 metrics["tv"] = float(0.5 * l1.detach().mean())
-                if model.config.confidence:
+                if model.config.enable_confidence_head:
                     label = (1 - 0.5 * l1).detach().clamp(0, 1)
                     confidence = model.confidence_logit(out["hidden"].detach(),
                                                         markov.detach() if markov is not None else None).float()
@@ -165,11 +187,10 @@ class BlockObjective:
 
 @torch.no_grad()
 def heldout_slot_accuracy(objective: BlockObjective, batches: FeatureBatches) -> dict:
-    """Per-slot top-1 agreement with the target on held-out conversations (teacher-forced
-    blocks, so slot i is scored as if slots < i were right), and the confidence head's
-    mean prediction vs the measured 1 - TV."""
+    """Per-draft top-1 agreement with the target on held-out conversations (teacher-forced
+    blocks, so draft k is scored as if drafts < k were right)."""
     model = objective.model
-    b = model.config.block_size
+    b = model.config.drafts_per_block
     hits, counts = torch.zeros(b), torch.zeros(b)
     state = torch.get_rng_state()
     torch.manual_seed(1234)  # the same held-out anchors at every export
@@ -177,7 +198,7 @@ def heldout_slot_accuracy(objective: BlockObjective, batches: FeatureBatches) ->
     for i in range(0, len(spans), 4):
         batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
         out = objective.forward(batch)
-        logits = F.linear(out["hidden"], objective.lm_head).float()
+        logits = model.logits(out["hidden"], objective.lm_head)
         if model.config.markov_rank:
             logits = logits + model.markov_bias(model.markov_state(out["previous"])).float()
         teacher = F.linear(out["teacher"], objective.lm_head).float()
@@ -196,6 +217,20 @@ def export_model(model: BlockDraftModel, folder: Path, manifest: dict) -> None:
     write_drafter(folder, tensors, dict(manifest, format=FORMAT, architecture=model.config.to_dict()))
 
 
+def mask_token_for(target, chosen: int, method: str) -> int:
+    """The mask token of a new drafter: `chosen`, else the target's default (model.default_mask_token_id)."""
+    vocab = target.config.vocab_size
+    if chosen >= 0:
+        if chosen >= vocab:
+            raise BenchError(f"{method}: mask_token_id {chosen} is outside the target's vocabulary ({vocab})")
+        return chosen
+    found = default_mask_token_id(target.tokenizer, vocab)
+    if found is None:
+        raise BenchError(f"{method}: target '{target.name}' has no mask token and no spare embedding row: "
+                         "choose a rarely used token with --option mask_token_id=N")
+    return found
+
+
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
     from bench.core.training import heldout_prediction, loop
@@ -210,7 +245,10 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     if train_settings.block_size < 2 or train_settings.anchors < 1 or train_settings.num_layers < 1:
         raise BenchError(f"{method}: block_size must be >= 2, anchors and num_layers >= 1")
     num_layers = target.config.num_hidden_layers
-    taps = block_taps(num_layers, train_settings.taps)
+    if not 0 <= train_settings.taps <= num_layers - 2:
+        raise BenchError(f"{method}: taps must be in 0..{num_layers - 2} (0: one per draft layer)")
+    taps = zlab_taps(num_layers, train_settings.taps or train_settings.num_layers)
+    mask_token = mask_token_for(target, train_settings.mask_token_id, method)
     data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
                        self_distill=train_settings.self_distill,
                        data_path=str(settings.data_path) if settings.data_path else None)
@@ -221,7 +259,10 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     draft_vocab = train_settings.draft_vocab if 0 < train_settings.draft_vocab < vocab else None
     config = BlockConfig.for_target(target.config, taps, num_layers=train_settings.num_layers,
                                     block_size=train_settings.block_size, draft_vocab_size=draft_vocab,
-                                    markov_rank=train_settings.markov_rank, confidence=train_settings.confidence)
+                                    sample_from_anchor=train_settings.sample_from_anchor, mask_token_id=mask_token,
+                                    markov_rank=train_settings.markov_rank,
+                                    enable_confidence_head=train_settings.enable_confidence_head,
+                                    confidence_head_with_markov=train_settings.confidence_head_with_markov)
     torch.manual_seed(settings.seed)
     model = BlockDraftModel(config)
     if draft_vocab:
@@ -236,8 +277,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         save_file({"draft_to_target": model.draft_to_target.clone()}, str(vocab_file))
     engine = target.engine
     with torch.no_grad():
-        model.final_norm.copy_(engine.final_norm)  # the shared lm_head expects the target's output scale
-        model.mask_embed.copy_(engine.embed.float().mean(0))
+        model.norm.weight.copy_(engine.final_norm)  # the shared lm_head expects the target's output scale
     model.to(settings.device)
     embed = engine.embed.float().to(settings.device)
     lm_head = engine.lm_head.float().to(settings.device)[model.draft_to_target.to(settings.device)]
@@ -258,8 +298,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         manifest = {
             "method": method, "target": target_info, "weights": WEIGHTS,
             "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"])),
-            "block": {"input_slots": config.block_size, "drafts_per_block": config.block_size,
-                      "anchor_predicts_next": True},
+            "block": {"input_slots": config.block_size, "drafts_per_block": config.drafts_per_block,
+                      "anchor_predicts_next": config.sample_from_anchor, "convention": config.convention},
             "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans), rows, keys),
         }
         export_model(model, out_dir, manifest)
