@@ -3,8 +3,9 @@
 SequentialMTP (DeepSeek-V3's module): fuse (next token, feature) with a linear map (halves in
 `fuse_order`), run the layer, apply a final RMSNorm. ParallelMTP (Gloeckle's heads): n
 independent (layer, final norm) heads over one trunk feature. See methods/mtp/__init__.py
-for what predicts what. Both use the target's embedding and lm_head, passed in and never stored; parameter
-names are the drafter file's weight names (methods/mtp/store.py), so they must not change.
+for what predicts what. Both use the target's embedding and lm_head, passed in and never
+stored; parameter names are the drafter file's weight names (methods/mtp/store.py), so they
+must not change.
 
 `chained_outputs` is the sequential module's training-time recursion: training runs it
 `ttt_steps` times (EAGLE-3's training-time test): step-k row j attends to the step-1
