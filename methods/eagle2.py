@@ -13,13 +13,17 @@ GPU default is 60 / 5 / 10).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.core.decode import LoopDecoder
 from bench.core.options import Dtype, option, parse_options
-from methods.eagle import load_head
+from methods.eagle import EXPORT_FORMATS, load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 
 METHOD = "eagle2"
+CONVENTION = ("SafeAILab EAGLE-2 (eagle/model/cnets.py, topK_genrate): the EAGLE-1 head with a dynamic tree "
+              "(expand the top_k frontier by summed draft log-prob, keep the best total_token - 1 nodes)")
+__all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "dynamic_tree", "export", "train"]
 BUDGET_MAX_DEPTH = 8  # --budget's depth cap: each level is one head pass
 
 
@@ -58,6 +62,13 @@ def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
     head, manifest = load_head(target, METHOD, opts, "eagle1")
     return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
+
+
+def export(target, drafter: str | None, fmt: str, out: Path) -> Path:
+    """The EAGLE-1 head eagle2 drafts with, as `bench export --method eagle` writes it."""
+    from methods.eagle import export as export_eagle
+
+    return export_eagle(target, drafter, fmt, out, METHOD)
 
 
 def train(target, settings) -> dict:

@@ -11,6 +11,8 @@ projection's share of a target step is in results/README.md).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.core.decode import LoopDecoder
 from bench.core.options import parse_options
 from methods.eagle import load_head
@@ -18,13 +20,26 @@ from methods.eagle.drafter import EagleDrafter
 from methods.eagle2 import Options, dynamic_tree
 
 METHOD = "eagle3"
-__all__ = ["METHOD", "Options", "build", "train"]  # Options: EAGLE-2's (total_token, depth, top_k, ...)
+CONVENTION = ("SafeAILab EAGLE-3 (eagle/model/cnets.py, traineagle3/): taps entering layers 2, L/2, L-3 fused by "
+              "fc; the layer reads [norm(Emb); norm(g)]; own norm + lm_head over a draft vocabulary (d2t offsets); "
+              "EAGLE-2 dynamic tree; reads SafeAILab/SpecForge and speculators (eagle3) folders")
+EXPORT_FORMATS = ("eagle", "speculators")
+__all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "export", "train"]
+# Options: EAGLE-2's (total_token, depth, top_k, ...)
 
 
 def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
     head, manifest = load_head(target, METHOD, opts, "eagle3")
     return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
+
+
+def export(target, drafter: str | None, fmt: str, out: Path) -> Path:
+    """`bench export --method eagle3 --format eagle|speculators`: SafeAILab's layout or vLLM
+    speculators' (methods/eagle/published.py), with the head's own lm_head rows, d2t and t2d."""
+    from methods.eagle import export as export_eagle
+
+    return export_eagle(target, drafter, fmt, out, METHOD, "eagle3")
 
 
 def train(target, settings) -> dict:

@@ -27,6 +27,10 @@ from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead
 
 METHOD = "eagle"
+CONVENTION = ("SafeAILab EAGLE-1 (eagle/model/cnets1.py): fc([Emb(x_{t+1}); f_t]) -> one Llama layer (plus an "
+              "input norm EA's first layer lacks) -> the target's lm_head; static tree from measured per-rank "
+              "accuracy; reads SafeAILab EAGLE-1/2 folders, writes --format eagle")
+EXPORT_FORMATS = ("eagle",)  # speculators (0.9.0) defines no EAGLE-1 layout
 DEFAULT_STATIC_NODES = 10
 UNMEASURED_RANK_ACCURACY = [0.6, 0.15, 0.07, 0.04, 0.03]
 
@@ -96,6 +100,15 @@ def load_head(target, method: str, options, kind: str) -> tuple[EagleHead, dict]
     load_weights_into(head, read_weights(Path(folder) / manifest.get("weights", WEIGHTS)), folder)
     manifest = dict(manifest, info=drafter_info(folder, manifest))
     return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
+
+
+def export(target, drafter: str | None, fmt: str, out: Path, method: str = METHOD, kind: str = "eagle1") -> Path:
+    """`bench export --method eagle --format eagle`: the head (ours or a published one) in
+    SafeAILab's layout (methods/eagle/published.py), weights exact (bf16 where they are)."""
+    from methods.eagle.published import export_published
+
+    head, manifest = load_head(target, method, Options(drafter=drafter, dtype="float32"), kind)
+    return export_published(head.cpu(), target, fmt, Path(out), manifest)
 
 
 def static_tree(manifest: dict, options: Options) -> TreeSettings:
