@@ -85,9 +85,10 @@ def check_matches_target(target, folder: Path, what: str, *, hidden_size: int | 
 
 
 def write_published(out: Path, config: dict, weights: dict[str, torch.Tensor],
-                    extra_json: dict[str, dict] | None = None) -> Path:
+                    extra_json: dict[str, dict] | None = None, weights_file: str = WEIGHT_FILES[0]) -> Path:
     """Write config.json + model.safetensors (+ extra JSON files) into `out`, all or nothing:
-    built in a sibling temp folder and renamed into place. `out` must not exist or be empty."""
+    built in a sibling temp folder and renamed into place. `out` must not exist or be empty.
+    `weights_file` names the safetensors file where a layout wants another name (Medusa's)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -98,7 +99,7 @@ def write_published(out: Path, config: dict, weights: dict[str, torch.Tensor],
     try:
         tmp.mkdir(parents=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-        save_file(tensors, str(tmp / WEIGHT_FILES[0]), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
         for name, content in {CONFIG: config, **(extra_json or {})}.items():
             (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
         if out.exists():
