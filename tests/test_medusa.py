@@ -454,9 +454,12 @@ def test_bad_drafters_fail_in_one_line(tiny_target, tmp_path):
     fails({"drafter": str(wrong)}, "no weights file")
 
     theirs = _their_folder(tmp_path / "theirs-small", random_heads(32, 2), None, pt=False)
-    fails({"drafter": str(theirs)}, "has shape")
+    fails({"drafter": str(theirs)}, "is for a target with hidden size 32; target 'tiny' has 64")
     vocab = tiny_target.config.vocab_size
     theirs = _their_folder(tmp_path / "theirs-vocab", random_heads(64, 2), [torch.zeros(vocab - 1, 64)] * 2, pt=True)
+    fails({"drafter": str(theirs)}, f"vocabulary {vocab - 1}")
+    theirs = _their_folder(tmp_path / "theirs-ragged", random_heads(64, 2), [torch.zeros(vocab, 64),
+                                                                              torch.zeros(vocab - 1, 64)], pt=True)
     fails({"drafter": str(theirs)}, "per-head lm_head")
 
     good = save_ours(tmp_path / "good", tiny_target, random_heads(64, 2))

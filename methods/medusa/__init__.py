@@ -44,13 +44,18 @@ boundaries), so the CLI's default 600 steps see ~240k positions (~1 epoch of the
 4096). Step and export times: results/README.md. settings.max_len is not used: the cache's
 FeatureData fixes it.
 
-Drafter formats (`--drafter FOLDER`):
+Drafter formats (`--drafter FOLDER`; key names in methods/medusa/model.py):
 - ours: drafter.json (method, target, architecture, accuracy, tree, training) + model.safetensors
   with keys "{head}.{layer}.linear.weight|bias" in bf16;
-- Medusa's: config.json (medusa_num_heads, medusa_num_layers, base_model_name_or_path) +
+- FasterDecoding's: config.json (medusa_num_heads, medusa_num_layers, base_model_name_or_path) +
   medusa_lm_head.safetensors or medusa_lm_head.pt with "{head}.{layer}.linear.weight|bias" and,
-  in the non-legacy layout, a per-head lm_head "{head}.{num_layers}.weight" [V, d]. Without
-  measured accuracies its tree comes from PRIOR_TOP1 (or pass choices=...).
+  in the non-legacy layout, a per-head lm_head "{head}.{num_layers}.weight" [V, d];
+- vLLM's: config.json (model_type medusa, num_heads, num_hidden_layers, truncated_vocab_size,
+  medusa_fc_bias, original_lm_head) + model.safetensors with "blocks.{h}.layers.{l}.weight|bias",
+  "lm_heads.{h}.weight" and token_map for a truncated vocabulary.
+A folder made for another target (hidden size, vocabulary, tokenizer) is refused in one line.
+Published heads carry no measured accuracies: their tree comes from PRIOR_TOP1 (or choices=...).
+`bench export --method medusa --format medusa|medusa-vllm` writes either published layout.
 
 Options of `bench run`: see `Options` below.
 
@@ -62,6 +67,7 @@ device-sized trees, Tree), drafter.py (decode time, typical acceptance), trainin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from bench.core.decode import LoopDecoder
@@ -69,7 +75,7 @@ from bench.core.drafters import find_drafter
 from bench.core.errors import BenchError
 from bench.core.options import option, parse_options
 from methods.medusa.drafter import ACCEPTANCE, MedusaDrafter, typical_acceptance
-from methods.medusa.model import FORMAT, METHOD, MedusaHeads, export_heads, load_drafter
+from methods.medusa.model import FORMAT, LAYOUTS, METHOD, MedusaHeads, export_heads, export_published, load_drafter
 from methods.medusa.training import Features, MedusaObjective, MedusaTraining, cross_entropy_block
 from methods.medusa.tree import (
     TOPK,
@@ -81,9 +87,15 @@ from methods.medusa.tree import (
     rank_probabilities,
 )
 
-__all__ = ["ACCEPTANCE", "FORMAT", "METHOD", "TOPK", "Features", "MedusaDrafter", "MedusaHeads", "MedusaObjective",
-           "MedusaTraining", "Options", "Tree", "build", "build_tree", "cross_entropy_block", "expected_accepted",
-           "export_heads", "rank_probabilities", "train", "typical_acceptance"]
+CONVENTION = ("FasterDecoding Medusa-1, legacy heads (medusa/model/medusa_model_legacy.py): ResBlock x num_layers "
+              "per head, then the target's frozen lm_head; head i predicts t+2+i; static tree from measured top-k "
+              "accuracies; reads FasterDecoding and vLLM Medusa folders")
+EXPORT_FORMATS = LAYOUTS  # "medusa": FasterDecoding's layout; "medusa-vllm": vLLM's
+
+__all__ = ["ACCEPTANCE", "CONVENTION", "EXPORT_FORMATS", "FORMAT", "METHOD", "TOPK", "Features", "MedusaDrafter",
+           "MedusaHeads", "MedusaObjective", "MedusaTraining", "Options", "Tree", "build", "build_tree",
+           "cross_entropy_block", "expected_accepted", "export", "export_heads", "rank_probabilities", "train",
+           "typical_acceptance"]
 
 
 @dataclass(frozen=True)
@@ -137,9 +149,7 @@ def build(target, options: dict | Options | None = None) -> LoopDecoder:
     if not tree.paths:
         raise BenchError("medusa tree is empty")
     engine = target.engine
-    heads = heads.to(device=engine.device, dtype=engine.dtype).eval()
-    if heads.own_lm_heads is not None:
-        heads.own_lm_heads = [w.to(device=engine.device, dtype=engine.dtype) for w in heads.own_lm_heads]
+    heads = heads.to_engine(engine.device, engine.dtype).eval()
     for p in heads.parameters():
         p.requires_grad_(False)
     drafter = MedusaDrafter(heads, engine.lm_head, engine.num_layers, tree, opts.acceptance,
@@ -149,6 +159,13 @@ def build(target, options: dict | Options | None = None) -> LoopDecoder:
     if accuracy:
         info["expected_accepted"] = round(expected_accepted(list(tree.paths), accuracy), 3)
     return LoopDecoder(target, drafter, info)
+
+
+def export(target, drafter: str | None, fmt: str, out: Path) -> Path:
+    """`bench export --method medusa --format medusa|medusa-vllm`: the heads (ours or a
+    published folder) in FasterDecoding's or vLLM's layout, weights exact."""
+    heads, *_ = load_drafter(target, find_drafter(target.name, METHOD, drafter))
+    return export_published(heads, target, fmt, Path(out))
 
 
 def train(target, settings) -> dict:
