@@ -264,14 +264,14 @@ def export_drafter(target, folder: Path, fmt: str, out: Path, methods: tuple[str
 
 
 def _write_zlab(config: BlockConfig, weights: dict, target, folder: Path, out: Path) -> Path:
+    if config.markov_rank or config.enable_confidence_head:
+        raise BenchError(f"drafter {folder} has DSpark heads: export it with --method dspark --format speculators")
     if config.convention != ZLAB:
         raise BenchError(f"drafter {folder} drafts from the anchor slot (sample_from_anchor), which z-lab's layout "
                          "cannot say: export it with --format speculators")
     if config.draft_vocab_size:
         raise BenchError(f"drafter {folder} has a reduced draft vocabulary ({config.draft_vocab_size}), which z-lab's "
                          "layout cannot say: export it with --format speculators")
-    if config.markov_rank or config.enable_confidence_head:
-        raise BenchError(f"drafter {folder} has DSpark heads: export it with --method dspark --format speculators")
     values = _qwen3_dict(config, target)
     dflash_config = {"target_layer_ids": [t - 1 for t in config.taps], "mask_token_id": config.mask_token_id,
                      "block_size": config.block_size}
