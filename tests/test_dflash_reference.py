@@ -193,8 +193,11 @@ def test_the_default_target_with_our_drafter_in_the_reference(which, tmp_path, o
     target = load_target(None, "cpu", "float32")
     if which == "shipped":
         folder = find_drafter(target.name, "dflash")
-        if read_drafter(target, folder, ("dflash",))[0].convention != "z-lab":
+        shipped = read_drafter(target, folder, ("dflash",))[0]
+        if shipped.convention != "z-lab":
             pytest.skip(f"the dflash drafter {folder} predates the z-lab convention: retrain it (bench train)")
+        if shipped.draft_vocab_size:
+            pytest.skip(f"the dflash drafter {folder} has a reduced draft vocabulary, which z-lab's layout cannot say")
     else:
         torch.manual_seed(0)
         config = BlockConfig.for_target(target.config, zlab_taps(30, 3), num_layers=3, block_size=16,
