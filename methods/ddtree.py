@@ -22,8 +22,7 @@ from methods.dflash import load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "ddtree"
-CONVENTION = ("DDTree (liranringel/ddtree ddtree.py): best-first tree on summed log-probs over the per-slot "
-              "top-k of one pass of the dflash drafter (z-lab convention: B-1 levels), root = the bonus token")
+CONVENTION = "DDTree (liranringel/ddtree ddtree.py) over the dflash drafter's per-slot top-k; root = the bonus token"
 
 
 @dataclass(frozen=True)

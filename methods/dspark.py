@@ -39,8 +39,8 @@ from methods.dflash import block_for, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
 METHOD = "dspark"
-CONVENTION = ("DSpark paper (Cheng et al. 2607.05147) with speculators' dspark names (markov_w1/markov_w2, "
-              "confidence_head, markov_rank): z-lab DFlash backbone, sample_from_anchor=True (B slots give B drafts)")
+CONVENTION = ("DSpark paper + speculators models/dspark: z-lab backbone, sample_from_anchor (B drafts), "
+              "markov_w1/markov_w2, confidence_head")
 EXPORT_FORMATS = ("speculators",)
 
 

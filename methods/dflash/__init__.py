@@ -31,9 +31,8 @@ from methods.dflash.drafter import BlockDrafter, BlockSettings
 from methods.dflash.model import BlockDraftModel
 
 METHOD = "dflash"
-CONVENTION = ("z-lab DFlash (z-lab/dflash dflash/model.py): block [anchor, MASK x (B-1)] gives B-1 drafts, "
-              "mask = the target's embedding of mask_token_id, q/k-norm, taps build_target_layer_ids; "
-              "sample_from_anchor drafters (B drafts) and our legacy ones load as their config says")
+CONVENTION = ("z-lab DFlash (z-lab/dflash dflash/model.py): [anchor, MASK x (B-1)] gives B-1 drafts, "
+              "the target's mask-token embedding, q/k-norm")
 EXPORT_FORMATS = ("dflash", "speculators")
 
 
