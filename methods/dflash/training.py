@@ -108,13 +108,13 @@ class BlockObjective:
         anchor_ok = top >= 0
         slots = torch.arange(b, device=device)
         slot_positions = anchors[:, :, None] + slots
-        clamped = slot_positions.clamp(max=width - 1)
         # Slot i's token is x_{a+i} (z-lab) or x_{a+i+1} (anchor drafts): labelled by row a+i-1 / a+i.
         label_rows = slot_positions - first
         label_clamped = label_rows.clamp(min=0, max=width - 1)
         scored = (anchor_ok[:, :, None] & (slots >= first) & (label_rows + 1 < lengths[:, None, None])
                   & torch.gather(mask, 1, label_clamped.flatten(1)).view_as(label_clamped))
-        next_tokens = torch.gather(tokens, 1, (label_clamped + 1).clamp(max=width - 1).flatten(1)).view_as(clamped)
+        drafted = (label_clamped + 1).clamp(max=width - 1)
+        next_tokens = torch.gather(tokens, 1, drafted.flatten(1)).view_as(label_clamped)
         scored &= self.in_draft_vocab[next_tokens]  # a token outside the draft vocabulary cannot be drafted
         blocks = anchors.shape[1]
         sees_context = positions[None, None, :] < anchors[:, :, None]  # [B, A, T]
@@ -122,7 +122,8 @@ class BlockObjective:
         block_id = torch.arange(blocks, device=device).repeat_interleave(b)
         sees_block = (block_id[:, None] == block_id[None, :])[None].expand(size, -1, -1)
         attention = torch.cat([sees_context, sees_block], dim=2)[:, None]
-        return {"anchors": anchors, "slot_positions": clamped, "label_rows": label_clamped, "scored": scored,
+        # RoPE positions run past the sequence's end where a block does (a decode-time block would too)
+        return {"anchors": anchors, "slot_positions": slot_positions, "label_rows": label_clamped, "scored": scored,
                 "attention": attention}
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
