@@ -21,8 +21,7 @@ from methods.eagle import EXPORT_FORMATS, load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 
 METHOD = "eagle2"
-CONVENTION = ("SafeAILab EAGLE-2 (eagle/model/cnets.py, topK_genrate): the EAGLE-1 head with a dynamic tree "
-              "(expand the top_k frontier by summed draft log-prob, keep the best total_token - 1 nodes)")
+CONVENTION = "SafeAILab EAGLE-2 (eagle/model/cnets.py topK_genrate): the EAGLE-1 head, dynamic tree"
 __all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "dynamic_tree", "export", "train"]
 BUDGET_MAX_DEPTH = 8  # --budget's depth cap: each level is one head pass
 

@@ -20,9 +20,8 @@ from methods.eagle.drafter import EagleDrafter
 from methods.eagle2 import Options, dynamic_tree
 
 METHOD = "eagle3"
-CONVENTION = ("SafeAILab EAGLE-3 (eagle/model/cnets.py, traineagle3/): taps entering layers 2, L/2, L-3 fused by "
-              "fc; the layer reads [norm(Emb); norm(g)]; own norm + lm_head over a draft vocabulary (d2t offsets); "
-              "EAGLE-2 dynamic tree; reads SafeAILab/SpecForge and speculators (eagle3) folders")
+CONVENTION = ("SafeAILab EAGLE-3 (eagle/model/cnets.py): taps 2, L/2, L-3 fused by fc, own lm_head over a draft "
+              "vocabulary (d2t); speculators eagle3 variants as flags")
 EXPORT_FORMATS = ("eagle", "speculators")
 __all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "export", "train"]
 # Options: EAGLE-2's (total_token, depth, top_k, ...)

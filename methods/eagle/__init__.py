@@ -27,9 +27,8 @@ from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead
 
 METHOD = "eagle"
-CONVENTION = ("SafeAILab EAGLE-1 (eagle/model/cnets1.py): fc([Emb(x_{t+1}); f_t]) -> one Llama layer (plus an "
-              "input norm EA's first layer lacks) -> the target's lm_head; static tree from measured per-rank "
-              "accuracy; reads SafeAILab EAGLE-1/2 folders, writes --format eagle")
+CONVENTION = ("SafeAILab EAGLE-1 (eagle/model/cnets1.py): fc([Emb(x_{t+1}); f_t]) -> Llama layer (+ input norm) "
+              "-> the target's lm_head; static tree")
 EXPORT_FORMATS = ("eagle",)  # speculators (0.9.0) defines no EAGLE-1 layout
 DEFAULT_STATIC_NODES = 10
 UNMEASURED_RANK_ACCURACY = [0.6, 0.15, 0.07, 0.04, 0.03]

@@ -87,9 +87,8 @@ from methods.medusa.tree import (
     rank_probabilities,
 )
 
-CONVENTION = ("FasterDecoding Medusa-1, legacy heads (medusa/model/medusa_model_legacy.py): ResBlock x num_layers "
-              "per head, then the target's frozen lm_head; head i predicts t+2+i; static tree from measured top-k "
-              "accuracies; reads FasterDecoding and vLLM Medusa folders")
+CONVENTION = ("FasterDecoding Medusa-1 legacy heads (medusa/model/medusa_model_legacy.py): ResBlocks, then the "
+              "target's lm_head; head i predicts t+2+i")
 EXPORT_FORMATS = LAYOUTS  # "medusa": FasterDecoding's layout; "medusa-vllm": vLLM's
 
 __all__ = ["ACCEPTANCE", "CONVENTION", "EXPORT_FORMATS", "FORMAT", "METHOD", "TOPK", "Features", "MedusaDrafter",
