@@ -415,6 +415,16 @@ def _summary_shows(fragment: str, turns: int = 4) -> Callable[[Path, object], No
     return check
 
 
+def _export_into_full_folder(tmp):
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine")
+    return ["export", "--method", "eagle3", "--format", "eagle", "--out", str(tmp / "out")]
+
+
+def _export_kept(tmp, result):
+    assert [p.name for p in (tmp / "out").iterdir()] == ["keep.txt"]
+
+
 CASES = {
     # 1. resume checks the prompt; custom tasks are keyed by their content
     "1 resume: turn recorded for another prompt": Case(
@@ -489,6 +499,12 @@ CASES = {
         "bench", lambda tmp: run_args(tiny_task(tmp), tmp), 2, "being written by another run", patch=hold_lock),
     "12 run: Ctrl-C exits 130": Case(
         "bench", lambda tmp: run_args(tiny_task(tmp), tmp), 130, "interrupted", _no_records, patch=interrupt("load")),
+    # 13. export: a layout the method lacks, a folder that holds something
+    "13 export: pld has no published layout": Case(
+        "bench", lambda tmp: ["export", "--method", "pld", "--format", "speculators", "--out", str(tmp / "out")], 2,
+        "pld exports to no published format", lambda tmp, result: not (tmp / "out").exists()),
+    "13 export: out folder not empty": Case(
+        "bench", _export_into_full_folder, 2, "exists and is not empty", _export_kept),
 }
 
 

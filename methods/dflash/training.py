@@ -178,7 +178,8 @@ class BlockObjective:
                     metrics["bce"] = float((weights * bce).detach().sum() / norm)
                     metrics["conf"] = float(torch.sigmoid(confidence.detach()).mean())
         hits = (logits.argmax(-1) == teacher.argmax(-1)).float()
-        metrics.update(loss=float(loss.detach()), acc=float(hits.mean()))
+        # tokens: reply positions of the batch's sequences (the data consumed; the scaling figure's x)
+        metrics.update(loss=float(loss.detach()), acc=float(hits.mean()), tokens=float(batch["mask"].sum()))
         for slot in (0, 1, 3, 7):
             chosen = out["slots"] == slot
             if chosen.any():
@@ -307,7 +308,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
 
     model.train()
     summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
-                         on_checkpoint=export)
+                         on_checkpoint=export,
+                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
     summary["drafter"] = str(out_dir)
     return summary
 

@@ -385,6 +385,7 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
 
     head.train()
     summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
-                         on_checkpoint=export)
+                         on_checkpoint=export,
+                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
     summary["drafter"] = str(out_dir)
     return summary

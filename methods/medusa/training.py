@@ -300,13 +300,15 @@ def train_medusa(target, settings) -> dict:
                 "positions_seen": int(sum(r.get("tokens", 0) for r in rows)),
                 "last_20_steps": {key: round(sum(r.get(key, 0) for r in last) / max(1, len(last)), 4)
                                   for key in ["loss", "kl"] + [f"acc_h{i}" for i in range(opts.num_heads)]},
+                "tokens_seen": rows[-1].get("tokens_seen", 0) if rows else 0,
                 "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }
         export_heads(heads, out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
+    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
+                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
     summary["drafter"] = str(out_dir)
     return summary
 

@@ -327,13 +327,15 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
                 "first_10_steps": {k: _mean(rows[:10], k) for k in keys},
                 "last_10_steps": {k: _mean(rows[-10:], k) for k in keys},
                 "heldout": dict(heldout, **heldout_prediction(heldout["acc"])) if heldout else {},
+                "tokens_seen": rows[-1].get("tokens_seen", 0) if rows else 0,
                 "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
         }
         objective.export(out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export)
+    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
+                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
     summary["drafter"] = str(out_dir)
     summary["heldout"] = read_manifest(out_dir).get("training", {}).get("heldout")
     return summary

@@ -340,5 +340,6 @@ def training_manifest(step: int, settings, method_settings, store: FeatureStore,
         "epochs": round(step * settings.batch_size / max(1, conversations), 2),
         "last_20_steps": {k: round(sum(r[k] for r in last if k in r) / max(1, sum(k in r for r in last)), 4)
                           for k in keys if any(k in r for r in last)},
+        "tokens_seen": log_rows[-1].get("tokens_seen", 0) if log_rows else 0,
         "elapsed_s": log_rows[-1]["elapsed_s"] if log_rows else None, "git_sha": git_sha(), "exported_at": timestamp(),
     }
