@@ -10,6 +10,7 @@ refusing one made for another target, and writing one atomically.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def write_published(out: Path, config: dict, weights: dict[str, torch.Tensor],
         tmp.mkdir(parents=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
         save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
+        os.chmod(tmp / weights_file, 0o644)  # safetensors writes 0600; a published folder is for others to read
         for name, content in {CONFIG: config, **(extra_json or {})}.items():
             (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=False) + "\n")
         if out.exists():
@@ -118,7 +120,9 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we read an
 def speculators_header(algorithm: str, target, speculative_tokens: int) -> dict:
     """The `speculators_model_type` / `speculators_config` fields of a speculators config:
     the algorithm, one greedy proposal of `speculative_tokens`, and the verifier (target)."""
-    source = getattr(target, "source", None) or getattr(target.config, "_name_or_path", None) or target.name
+    from bench.core.target import hub_id
+
+    source = hub_id(target)
     architectures = list(getattr(target.config, "architectures", None) or [])
     return {
         "speculators_model_type": algorithm,

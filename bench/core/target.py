@@ -59,6 +59,18 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was quantized from
+
+
+def hub_id(target) -> str:
+    """The name other tools should load `target` by: the hub id of the embedded default,
+    else what its config says it came from, else its local folder."""
+    if target.name == DEFAULT_TARGET:
+        return DEFAULT_HUB_ID
+    named = getattr(target.config, "_name_or_path", None) or getattr(target.config, "name_or_path", None)
+    return str(named or target.path)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -135,7 +147,7 @@ def convert_default_target(dest: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
+    model.config.name_or_path = f"{DEFAULT_HUB_ID} (GGUF Q4_1, dequantized)"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
