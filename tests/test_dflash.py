@@ -228,3 +228,16 @@ def test_calibration_metrics():
     pairs = calibration_pairs([([0.9, 0.5, 0.5], 1)])
     assert pairs["survival"] == [(1, 0.9, 1), (2, 0.45, 0), (3, 0.225, 0)]
     assert pairs["conditional"] == [(1, 0.9, 1), (2, 0.5, 0)]  # slot 3 was never reached
+
+
+def test_dspark_confidence_label_greedy_trains_and_bad_labels_are_refused(default_target, tiny_training, one_thread):
+    """The confidence head can learn greedy acceptance (what T=0 verification keeps), the
+    sampled one (1 - TV) or their mean; anything else is one line."""
+    from methods.dflash.training import DSPARK_DEFAULTS, train_block
+
+    summary = train_block(default_target, tiny_training(1, "dspark", confidence_label="greedy"), "dspark",
+                          DSPARK_DEFAULTS)
+    assert summary["steps"] == 1 and "bce" in summary["last"]
+    with pytest.raises(BenchError, match="confidence_label must be"):
+        train_block(default_target, tiny_training(1, "dspark-bad", confidence_label="always"), "dspark",
+                    DSPARK_DEFAULTS)

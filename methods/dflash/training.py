@@ -59,6 +59,10 @@ class BlockTrainSettings:
     ce_weight: float = 1.0
     l1_weight: float = 0.0  # DSpark: 0.9
     bce_weight: float = 0.0  # DSpark: 1.0 (speculators' confidence_head_alpha)
+    # DSpark's confidence label: "sampled" = 1 - TV(draft, target), the chance a sampled draft
+    # survives (the paper's); "greedy" = whether the draft's argmax is the target's, what a
+    # T=0 verification accepts; "both" = their mean, one head for either temperature.
+    confidence_label: str = "sampled"
     feature_tokens: int = FeatureData.max_tokens
     max_len: int = FeatureData.max_len
     self_distill: bool = False
@@ -170,7 +174,10 @@ class BlockObjective:
                 loss = loss + s.l1_weight * (weights * l1).sum() / norm
                 metrics["tv"] = float(0.5 * l1.detach().mean())
                 if model.config.enable_confidence_head:
-                    label = (1 - 0.5 * l1).detach().clamp(0, 1)
+                    sampled = (1 - 0.5 * l1).detach().clamp(0, 1)
+                    greedy = (logits.argmax(-1) == teacher.argmax(-1)).float()
+                    label = {"sampled": sampled, "greedy": greedy, "both": 0.5 * (sampled + greedy)}[
+                        s.confidence_label]
                     confidence = model.confidence_logit(out["hidden"].detach(),
                                                         markov.detach() if markov is not None else None).float()
                     bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
@@ -246,6 +253,9 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     train_settings = BlockTrainSettings(**options)
     if train_settings.block_size < 2 or train_settings.anchors < 1 or train_settings.num_layers < 1:
         raise BenchError(f"{method}: block_size must be >= 2, anchors and num_layers >= 1")
+    if train_settings.confidence_label not in ("sampled", "greedy", "both"):
+        raise BenchError(f"{method}: confidence_label must be sampled, greedy or both, "
+                         f"got '{train_settings.confidence_label}'")
     num_layers = target.config.num_hidden_layers
     if not 0 <= train_settings.taps <= num_layers - 2:
         raise BenchError(f"{method}: taps must be in 0..{num_layers - 2} (0: one per draft layer)")
