@@ -382,3 +382,33 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
         bar.set_postfix(shard=k, tok_s=entry["reply_tok_per_s"])
     bar.close()
     return DistilledData(folder)
+
+
+def reply_example(row: dict, max_len: int):
+    """A distilled conversation as a training Example truncated to max_len: position i is a
+    target when token i+1 is one of the target's own reply tokens (None if none is left)."""
+    from bench.core.training.data import Example
+
+    tokens = row["tokens"][:max_len]
+    mask = torch.zeros(len(tokens), dtype=torch.bool)
+    for start, end in row["reply_spans"]:
+        mask[max(start - 1, 0): min(end, len(tokens)) - 1] = True
+    return Example(torch.tensor(tokens), mask) if mask.any() else None
+
+
+class DistilledExamples:
+    """The distilled conversations as training examples, in shard order (ShareGPTExamples'
+    interface: example i wraps around). Rows are read when the object is made; a run that
+    resumes after more shards arrived sees them only past the wrap-around."""
+
+    def __init__(self, folder: Path, max_len: int = 512, limit: int | None = None) -> None:
+        self.rows = list(DistilledData(folder).rows())[:limit] if limit else list(DistilledData(folder).rows())
+        if not self.rows:
+            raise BenchError(f"distilled data {folder} has no finished shard yet: run `bench distill`")
+        self.max_len = max_len
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, index: int):
+        return reply_example(self.rows[index % len(self.rows)], self.max_len)

@@ -167,19 +167,16 @@ def _conversations(target, data: FeatureData, skip: int = 0) -> Iterator[tuple[T
 def _distilled(data: FeatureData, skip: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Distilled conversations in shard order, truncated to max_len; position i is a
     target when token i+1 is one of the target's own reply tokens. Ends with the data."""
-    from bench.core.training.distill import DistilledData
+    from bench.core.training.distill import DistilledData, reply_example
 
     count = 0
     for row in DistilledData(Path(data.distilled)).rows():
-        tokens = row["tokens"][: data.max_len]
-        mask = torch.zeros(len(tokens), dtype=torch.bool)
-        for start, end in row["reply_spans"]:
-            mask[max(start - 1, 0): min(end, len(tokens)) - 1] = True
-        if not mask.any():
+        example = reply_example(row, data.max_len)
+        if example is None:
             continue
         count += 1
         if count > skip:
-            yield torch.tensor(tokens), mask
+            yield example.tokens, example.loss_mask
 
 
 def with_distilled_folder(target, data: FeatureData) -> FeatureData:
