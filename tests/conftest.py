@@ -4,9 +4,16 @@ safetensors copy; the first run on a machine converts the GGUF once, ~25 s)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# Triton reads TRITON_INTERPRET when a kernel is first defined, and a test module collected
+# before tests/test_verify_triton.py may import triton (transformers does): interpret mode
+# on a machine without CUDA is set here, before any test module is imported.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tasks
 
