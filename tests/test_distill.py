@@ -78,19 +78,21 @@ def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_
     first = (data.folder / "shard_00000.jsonl").read_text()
     (data.folder / "shard_00001.jsonl").unlink()  # killed while writing shard 1 (it is written by rename)
     calls = []
-    original = distill_module.generate_shard
+    original = distill_module.generate_shards
 
-    def counting(generator, tokenizer, items, settings, bar=None):
-        calls.append([item["index"] for item in items])
-        return original(generator, tokenizer, items, settings, bar)
+    def counting(batch, tokenizer, shards, settings, eos, bar=None):
+        shards = list(shards)
+        calls.extend([item["index"] for item in items] for _, items in shards)
+        return original(batch, tokenizer, shards, settings, eos, bar)
 
-    monkeypatch.setattr(distill_module, "generate_shard", counting)
+    monkeypatch.setattr(distill_module, "generate_shards", counting)
     again = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
     assert calls == [[2]]  # only shard 1's one conversation
     assert (again.folder / "shard_00000.jsonl").read_text() == first
     assert [s["shard"] for s in again.shards()] == [0, 1]
     log = [json.loads(line) for line in (again.folder / "log.jsonl").read_text().splitlines()]
-    assert [entry["shard"] for entry in log] == [0, 1, 1] and all(e["reply_tok_per_s"] > 0 for e in log)
+    shards = [entry["shard"] for entry in log]  # shards run overlapped: the first run may finish 1 before 0
+    assert sorted(shards[:2]) == [0, 1] and shards[2] == 1 and all(e["reply_tok_per_s"] > 0 for e in log)
     calls.clear()
     distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
     assert calls == []  # all done: nothing generated
@@ -98,7 +100,7 @@ def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_
 
 def test_distill_stops_once_enough_reply_tokens_exist(tiny_distill, default_target):
     data = distill(default_target, tiny_distill, EVAL, min_reply_tokens=1, batch_size=4, progress=False)
-    assert [s["shard"] for s in data.shards()] == [0]
+    assert len(data.shards()) == 1  # the first shard to complete (shards run overlapped)
     status = distill_module.distill_status()
     assert f"{data.folder}: 1/2 shards, {data.reply_tokens} reply tokens" in status and "reply tok/s" in status
 

@@ -189,7 +189,7 @@ class Engine:
         self.cache.crop(length)
 
     # ------------------------------------------------------------------ rope
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         needed = int(positions.max()) + 1
         if self._rope_cos is None or self._rope_cos.shape[0] < needed:
             size = max(needed, 2 * (0 if self._rope_cos is None else self._rope_cos.shape[0]), 4096)
@@ -198,6 +198,31 @@ class Engine:
             self._rope_cos = (emb.cos() * self.rope_scaling).to(self.dtype)
             self._rope_sin = (emb.sin() * self.rope_scaling).to(self.dtype)
         return self._rope_cos[positions], self._rope_sin[positions]
+
+    # ------------------------------------------------------- layer pieces
+    def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [b, heads, n, head_dim] of x [b, n, d], RoPE applied (cos/sin broadcast
+        to [b or 1, 1, n, head_dim])."""
+        b, n, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = rms_norm(x, layer["in_norm"], self.eps)
+        q, k, v = F.linear(h, layer["qkv"], layer["qkv_bias"]).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if layer["q_norm"] is not None:  # Qwen3 per-head norms, before RoPE
+            q = rms_norm(q, layer["q_norm"], self.eps)
+            k = rms_norm(k, layer["k_norm"], self.eps)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attention_output_and_mlp(self, layer: dict, x: Tensor, attn: Tensor) -> Tensor:
+        """The rest of the layer: o-projection of attention output [b, heads, n, head_dim],
+        residual, MLP, residual."""
+        b, _, n, _ = attn.shape
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), layer["o"])
+        h = rms_norm(x, layer["post_norm"], self.eps)
+        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down"])
 
     # --------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -219,7 +244,7 @@ class Engine:
         positions = positions.to(self.device)
         self.cache.reserve(start + n)
         total = start + n
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         cos, sin = cos[None, None], sin[None, None]
         mask = None
         is_causal = False
@@ -239,31 +264,15 @@ class Engine:
         x = F.embedding(tokens, self.embed)[None]  # [1, n, d]
         if 0 in taps:
             hidden[0] = x[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
         k_cache, v_cache = self.cache.k, self.cache.v
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["in_norm"], self.eps)
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if layer["q_norm"] is not None:  # Qwen3 per-head norms, before RoPE
-                q = rms_norm(q, layer["q_norm"], self.eps)
-                k = rms_norm(k, layer["k_norm"], self.eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
             attn = F.scaled_dot_product_attention(
                 q, k_cache[i, :, :, :total], v_cache[i, :, :, :total], attn_mask=mask,
                 is_causal=is_causal, scale=self.scale, enable_gqa=True)
-            attn = attn.transpose(1, 2).reshape(1, n, q_size)
-            x = x + F.linear(attn, layer["o"])
-            h = rms_norm(x, layer["post_norm"], self.eps)
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = self.attention_output_and_mlp(layer, x, attn)
             if i + 1 in taps and i + 1 < self.num_layers:
                 hidden[i + 1] = x[0]
         self.cache.length = total

@@ -12,9 +12,10 @@ drafter trained on these replies learns what it will be asked to predict at deco
 
 Shard k holds conversations [k*S, (k+1)*S) of a fixed, seeded order, so a shard is a pure
 function of its number: an interrupted run redoes only the shard it was in, and shards can
-be generated on several machines (`--shards a:b`) and copied together. Turns are batched
-across the shard's conversations (longest prompts together, a conversation's next turn
-queued as soon as its previous reply exists), so batches stay full.
+be generated on several machines (`--shards a:b`) and copied together. Replies are decoded
+on a continuously refilled batch of KV slots (bench.core.slots): a finished reply's slot
+takes the next queued turn at once and the next shard opens when the queue runs dry, so
+the batch stays full and no prompt is padded.
 
 Prompts that share a 13-word sequence with an evaluation question (MT-bench, HumanEval,
 GSM8K, Spec-Bench), or contain a short evaluation question whole, are dropped before the
@@ -29,6 +30,8 @@ import os
 import random
 import re
 import time
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,93 +139,25 @@ class _Conversation:
     turns: list[dict]
     replies: list[list[int]]
     context: list[int] | None = None  # prompt of the pending (or last) turn
+    reply: list[int] | None = None  # the reply being generated
+    shard: int = 0
 
 
-def _preallocated_layer(capacity: int):
-    """A transformers cache layer that writes K/V into a buffer sized once per batch
-    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            batch, heads, _, dim = key_states.shape
-            self.device = key_states.device
-            self.keys = key_states.new_zeros(batch, heads, capacity, dim)
-            self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
-            self.length = 0
-            self.is_initialized = True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            self.keys[:, :, self.length:end] = key_states
-            self.values[:, :, self.length:end] = value_states
-            self.length = end
-            return self.keys[:, :, :end], self.values[:, :, :end]
-
-        def get_seq_length(self) -> int:
-            return self.length if self.is_initialized else 0
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            if self.is_initialized:
-                self.keys, self.values = self.keys[indices], self.values[indices]
-
-    return PreallocatedLayer
-
-
-class Generator:
-    """Batched greedy replies from the target's transformers model: left-padded prompts,
-    K/V in preallocated buffers, and rows retired as soon as they end (EOS or length), so
-    a long reply does not make the whole batch run on."""
-
-    def __init__(self, folder: Path, device: str, dtype: str, eos: list[int], pad: int,
-                 batch_size: int) -> None:
-        from bench.core.target import load_hf_model
-
-        self.model = load_hf_model(folder, device, dtype)
-        self.eos, self.pad, self.batch_size = eos, pad, batch_size
-
-    @torch.no_grad()
-    def replies(self, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], bool]]:
-        from transformers.cache_utils import Cache
-
-        device = self.model.device
-        width = max(map(len, prompts))
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = Cache(layer_class_to_replicate=_preallocated_layer(width + max_new))
-        eos = torch.tensor(self.eos, device=device)
-        rows = torch.arange(len(prompts), device=device)  # original row of each live row
-        replies: list[list[int]] = [[] for _ in prompts]
-        finished = [False] * len(prompts)
-        for step in range(max_new):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                use_cache=True, logits_to_keep=1).logits[:, -1]
-            tokens = logits.argmax(-1)
-            for row, token in zip(rows.tolist(), tokens.tolist()):
-                replies[row].append(token)
-            ended = torch.isin(tokens, eos)
-            for row in rows[ended].tolist():
-                finished[row] = True
-            if step + 1 == max_new or bool(ended.all()):
-                break
-            if bool(ended.any()):
-                keep = (~ended).nonzero().flatten()
-                cache.batch_select_indices(keep)
-                rows, tokens, mask, positions = rows[keep], tokens[keep], mask[keep], positions[keep]
-            ids = tokens[:, None]
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            positions = positions[:, -1:] + 1
-        return [(reply, done) for reply, done in zip(replies, finished)]
-
-
-def generate_shard(generator: Generator, tokenizer, items: list[dict], settings: DistillSettings,
-                   bar: tqdm | None = None) -> list[dict]:
-    """Every conversation of one shard, answered turn by turn by the target."""
-    conversations = [_Conversation(i["index"], i["id"], i["users"], [], [], []) for i in items]
-    limit = settings.max_context - settings.max_reply
+def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], settings: DistillSettings,
+                    eos: list[int], bar: tqdm | None = None) -> Iterator[tuple[int, list[dict], float]]:
+    """Every conversation of each shard, answered turn by turn by the target on a
+    continuously refilled SlotBatch: a finished reply's slot takes the next queued turn at
+    once, a conversation's next turn goes to the front of the queue, and the next shard is
+    opened as soon as the queue runs dry, so a shard's last long replies overlap the next
+    shard's first ones. Yields (shard, rows, seconds) as each shard completes; seconds is
+    the wall time since the previous shard completed."""
+    limit, eos = settings.max_context - settings.max_reply, set(eos)
+    shards = iter(shards)
+    queue: deque[_Conversation] = deque()
+    open_shards: dict[int, list[_Conversation]] = {}
+    waiting: dict[int, int] = {}  # shard -> conversations not yet finished
+    owner: list[_Conversation] = []  # conversation in each live slot, live slots packed at the front
+    clock = time.perf_counter()
 
     def queue_next(conv: _Conversation) -> bool:
         turn = len(conv.turns)
@@ -235,20 +170,68 @@ def generate_shard(generator: Generator, tokenizer, items: list[dict], settings:
         conv.messages, conv.context = messages, context
         return True
 
-    pending = [c for c in conversations if queue_next(c)]
-    while pending:
-        pending.sort(key=lambda c: len(c.context), reverse=True)
-        batch, pending = pending[:generator.batch_size], pending[generator.batch_size:]
-        for conv, (reply, finished) in zip(batch, generator.replies([c.context for c in batch], settings.max_reply)):
-            conv.turns.append({"prompt_tokens": len(conv.context), "reply_tokens": len(reply), "finished": finished})
-            if bar is not None:
-                bar.update(len(reply))
-            conv.messages = conv.messages + [{"role": "assistant",
-                                              "content": tokenizer.decode(reply, skip_special_tokens=True)}]
-            conv.replies.append(reply)
-            if finished and queue_next(conv):  # an unfinished (cut) reply ends the conversation
-                pending.append(conv)
-    return [_row(tokenizer, conv) for conv in conversations if conv.turns]
+    def finish_turn(conv: _Conversation) -> int | None:
+        """Record the reply; queue the next turn, or return the shard if it is now complete."""
+        reply = conv.reply
+        finished = reply[-1] in eos
+        conv.turns.append({"prompt_tokens": len(conv.context), "reply_tokens": len(reply), "finished": finished})
+        if bar is not None:
+            bar.update(len(reply))
+        conv.messages = conv.messages + [{"role": "assistant",
+                                          "content": tokenizer.decode(reply, skip_special_tokens=True)}]
+        conv.replies.append(reply)
+        if finished and queue_next(conv):  # an unfinished (cut) reply ends the conversation
+            queue.appendleft(conv)
+            return None
+        waiting[conv.shard] -= 1
+        return conv.shard if waiting[conv.shard] == 0 else None
+
+    def complete(k: int) -> tuple[int, list[dict], float]:
+        nonlocal clock
+        now, conversations = time.perf_counter(), open_shards.pop(k)
+        seconds, clock = now - clock, now
+        return k, [_row(tokenizer, conv) for conv in conversations if conv.turns], seconds
+
+    def done(conv: _Conversation) -> bool:
+        return conv.reply[-1] in eos or len(conv.reply) >= settings.max_reply
+
+    exhausted = False
+    while True:
+        while len(owner) < batch.slots and not (exhausted and not queue):
+            if not queue:  # open the next shard
+                try:
+                    k, items = next(shards)
+                except StopIteration:
+                    exhausted = True
+                    continue
+                conversations = [_Conversation(i["index"], i["id"], i["users"], [], [], [], shard=k) for i in items]
+                open_shards[k] = conversations
+                queue.extend(c for c in conversations if queue_next(c))
+                waiting[k] = len(queue)
+                if not waiting[k]:
+                    yield complete(k)
+                continue
+            conv = queue.popleft()
+            conv.reply = [batch.start(len(owner), conv.context)]
+            if done(conv):
+                if (k := finish_turn(conv)) is not None:
+                    yield complete(k)
+            else:
+                owner.append(conv)
+        if not owner:
+            return
+        for conv, token in zip(owner, batch.step(len(owner)).tolist()):
+            conv.reply.append(token)
+        for slot in reversed(range(len(owner))):
+            if done(owner[slot]):
+                k = finish_turn(owner[slot])
+                last = len(owner) - 1
+                if slot != last:
+                    batch.move(last, slot)
+                owner[slot] = owner[last]
+                owner.pop()
+                if k is not None:
+                    yield complete(k)
 
 
 def _row(tokenizer, conv: _Conversation) -> dict:
@@ -350,17 +333,16 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
     have = data.reply_tokens
     if not todo or (min_reply_tokens and have >= min_reply_tokens):
         return data
-    tokenizer = target.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else target.eos_token_ids[0]
-    generator = Generator(target.path, device, dtype, target.eos_token_ids, pad, batch_size)
+    from bench.core.engine import Engine
+    from bench.core.slots import SlotBatch
+    from bench.core.target import load_state_dict, parse_dtype
+
+    engine = Engine(target.config, load_state_dict(target.path), device=device, dtype=parse_dtype(dtype))
+    batch = SlotBatch(engine, batch_size, settings.max_context)
     bar = tqdm(total=min_reply_tokens, initial=have, desc="self-distilled reply tokens", unit="tok",
                disable=not progress, smoothing=0.05)
-    for k in todo:
-        if min_reply_tokens and have >= min_reply_tokens:
-            break
-        started = time.perf_counter()
-        rows = generate_shard(generator, tokenizer, items[k * size:(k + 1) * size], settings, bar)
-        seconds = time.perf_counter() - started
+    work = ((k, items[k * size:(k + 1) * size]) for k in todo)
+    for k, rows, seconds in generate_shards(batch, target.tokenizer, work, settings, target.eos_token_ids, bar):
         name = f"shard_{k:05d}.jsonl"
         tmp = folder / ("." + name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -371,8 +353,9 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
         entry = {"shard": k, "file": name, "conversations": len(rows),
                  "turns": sum(len(row["turns"]) for row in rows), "reply_tokens": replies,
                  "tokens": sum(len(row["tokens"]) for row in rows), "seconds": round(seconds, 1),
-                 "reply_tok_per_s": round(replies / seconds, 1), "batch_size": batch_size, "device": device,
-                 "threads": torch.get_num_threads(), "finished_at": timestamp()}
+                 "reply_tok_per_s": round(replies / max(seconds, 1e-9), 1), "batch_size": batch_size,
+                 "device": device, "threads": torch.get_num_threads(), "generator": "slots",
+                 "finished_at": timestamp()}
         index = json.loads(index_path.read_text())  # another machine's shards may have been copied in
         index["shards"] = [s for s in index["shards"] if s["shard"] != k] + [entry]
         write_json(index_path, index)
@@ -380,6 +363,8 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
             log.write(json.dumps(entry) + "\n")
         have += replies
         bar.set_postfix(shard=k, tok_s=entry["reply_tok_per_s"])
+        if min_reply_tokens and have >= min_reply_tokens:
+            break
     bar.close()
     return DistilledData(folder)
 

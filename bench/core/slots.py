@@ -1,0 +1,92 @@
+"""Many sequences at once on the target: a KV cache of B slots, each with its own length.
+
+A slot is filled by a batch-1 prefill (the engine's own forward, no padding), then every
+live slot advances one token per `step`: one batched pass whose rows write K/V at their
+own slot lengths and attend only to their own filled slots. A finished slot is refilled at
+once (continuous batching), so a long reply never holds a batch of short ones hostage.
+Greedy self-distillation runs on it (bench.core.training.distill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bench.core.engine import Engine, rms_norm
+
+
+class SlotBatch:
+    """`slots` sequences of up to `capacity` tokens on `engine`'s weights (batch-1 engine
+    for prefill, the batched step below for decoding)."""
+
+    def __init__(self, engine: Engine, slots: int, capacity: int) -> None:
+        self.engine = engine
+        shape = (engine.num_layers, slots, engine.num_kv_heads, capacity, engine.head_dim)
+        self.k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=engine.device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=engine.device)  # each slot's newest token
+        engine.rope(torch.tensor([capacity - 1], device=engine.device))  # RoPE tables sized once
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @torch.inference_mode()
+    def start(self, slot: int, prompt: list[int]) -> int:
+        """Prefill `prompt` into `slot`; returns the greedy first token."""
+        n = len(prompt)
+        if n >= self.capacity:
+            raise ValueError(f"prompt of {n} tokens does not fit a slot of {self.capacity}")
+        out = self.engine.prefill(torch.tensor(prompt, device=self.engine.device))
+        cache = self.engine.cache
+        self.k[:, slot, :, :n] = cache.k[:, 0, :, :n]
+        self.v[:, slot, :, :n] = cache.v[:, 0, :, :n]
+        self.lengths[slot] = n
+        token = int(out.logits[-1].argmax())
+        self.last[slot] = token
+        return token
+
+    @torch.inference_mode()
+    def step(self, live: int | None = None) -> Tensor:
+        """One greedy token for each of the first `live` slots (default all), fed their
+        newest token; returns the new tokens [live]. A slot past its capacity is the
+        caller's error (it must retire the slot first)."""
+        engine, live = self.engine, live or self.slots
+        lengths = self.lengths[:live]
+        if int(lengths.max()) >= self.capacity:
+            raise ValueError("a slot is full: retire it before the next step")
+        rows = torch.arange(live, device=lengths.device)
+        span = int(lengths.max()) + 1
+        mask = (torch.arange(span, device=lengths.device)[None] <= lengths[:, None])[:, None, None]  # [b,1,1,span]
+        cos, sin = engine.rope(lengths)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        x = F.embedding(self.last[:live], engine.embed)[:, None]  # [b, 1, d]
+        kv_heads = engine.num_kv_heads
+        group = engine.num_heads // kv_heads
+        for i, layer in enumerate(engine.layers):
+            q, k, v = engine.attention_inputs(layer, x, cos, sin)
+            self.k[i, rows, :, lengths] = k[:, :, 0]
+            self.v[i, rows, :, lengths] = v[:, :, 0]
+            # One query token per row: the heads sharing a K/V head become that head's query
+            # rows, so grouped K/V is read once instead of expanded per query head.
+            attn = F.scaled_dot_product_attention(q.reshape(live, kv_heads, group, -1), self.k[i, :live, :, :span],
+                                                  self.v[i, :live, :, :span], attn_mask=mask, scale=engine.scale)
+            x = engine.attention_output_and_mlp(layer, x, attn.reshape(live, -1, 1, attn.shape[-1]))
+        x = rms_norm(x[:, 0], engine.final_norm, engine.eps)
+        tokens = F.linear(x, engine.lm_head).argmax(-1)
+        self.lengths[:live] += 1
+        self.last[:live] = tokens
+        return tokens
+
+    def move(self, source: int, dest: int) -> None:
+        """Copy slot `source` into slot `dest` (to pack live slots at the front)."""
+        n = int(self.lengths[source])
+        self.k[:, dest, :, :n] = self.k[:, source, :, :n]
+        self.v[:, dest, :, :n] = self.v[:, source, :, :n]
+        self.lengths[dest], self.last[dest] = self.lengths[source], self.last[source]
