@@ -219,3 +219,32 @@ def test_draft_vocabulary_sized_by_coverage():
     assert vocabulary_for_coverage(tokens, mask, 16, 0.5) == 1  # token 5 alone is half
     assert vocabulary_for_coverage(tokens, mask, 16, 0.75) == 2
     assert vocabulary_for_coverage(tokens, mask, 16, 1.0) == 4
+
+
+def test_shared_lm_head_is_the_targets_rows_frozen_and_not_stored(default_target, tiny_training, one_thread, tmp_path):
+    """`--option shared_lm_head=true` (EAGLE-3): the head projects with the target's
+    lm_head rows at its draft vocabulary; they stay frozen, the file omits them, and the
+    loaded drafter (and its speculators export) has them back bit for bit."""
+    from safetensors import safe_open
+
+    from methods.eagle import load_head
+    from methods.eagle.published import export_published, load_published
+    from methods.eagle.training import train_eagle
+
+    settings = tiny_training("eagle3", 2, "eagle3-shared")
+    settings.options["shared_lm_head"] = True
+    train_eagle(default_target, settings, "eagle3", "eagle3")
+    with safe_open(str(settings.out_dir / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in handle.keys() and "draft_to_target" in handle.keys()
+    options = type("Options", (), {"drafter": str(settings.out_dir), "dtype": "float32"})()
+    head, manifest = load_head(default_target, "eagle3", options, "eagle3")
+    assert head.config.shared_lm_head and manifest["architecture"]["shared_lm_head"]
+    rows = default_target.engine.lm_head[head.draft_to_target]
+    assert torch.equal(head.lm_head.weight, rows)
+    exported = export_published(head, default_target, "speculators", tmp_path / "spec")
+    again, _ = load_published(default_target, exported, "eagle3")
+    assert torch.equal(again.lm_head.weight, rows)
+    with pytest.raises(BenchError, match="EAGLE-3 option"):
+        bad = tiny_training("eagle1", 1, "eagle1-shared")
+        bad.options["shared_lm_head"] = True
+        train_eagle(default_target, bad, "eagle1", "eagle")

@@ -96,7 +96,11 @@ def load_head(target, method: str, options, kind: str) -> tuple[EagleHead, dict]
         head = EagleHead(EagleConfig(**architecture))
     except TypeError as exc:
         raise BenchError(f"drafter {folder} is not an EAGLE head ({exc})") from None
-    load_weights_into(head, read_weights(Path(folder) / manifest.get("weights", WEIGHTS)), folder)
+    weights = read_weights(Path(folder) / manifest.get("weights", WEIGHTS))
+    if head.config.shared_lm_head and "draft_to_target" in weights:
+        rows = weights["draft_to_target"].long().to(target.engine.lm_head.device)
+        weights["lm_head.weight"] = target.engine.lm_head[rows]
+    load_weights_into(head, weights, folder)
     manifest = dict(manifest, info=drafter_info(folder, manifest))
     return head.to(device=target.engine.device, dtype=dtype).eval(), manifest
 

@@ -61,6 +61,9 @@ class EagleConfig:
     fc_norm: bool = False  # eagle3: RMSNorm on each tap before fc
     norm_before_fc: bool = False  # eagle3: one RMSNorm over the concatenated taps before fc
     norm_output: bool = False  # eagle3: output = norm(layer output), fed back and projected as is
+    # eagle3, a deviation: lm_head = the target's lm_head rows at draft_to_target, frozen and
+    # not stored (the original trains its own rows); keeps the shipped drafters small.
+    shared_lm_head: bool = False
 
     @classmethod
     def for_target(cls, target_config, kind: str, taps: list[int], draft_vocab_size: int | None = None) -> EagleConfig:

@@ -57,6 +57,7 @@ class EagleTrainSettings:
     feature_tokens: int = FeatureData.max_tokens  # size of the feature cache (tokens)
     max_len: int = FeatureData.max_len
     self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
+    shared_lm_head: bool = False  # eagle3: the target's lm_head rows, frozen, not stored (a named deviation)
 
 
 class FeatureBatches:
@@ -310,7 +311,8 @@ def draft_vocabulary(tokens: Tensor, mask: Tensor, size: int, vocab_size: int, a
 
 def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
     """drafter.json + model.safetensors (bf16 weights; the draft vocabulary map as int64)."""
-    tensors = {n: p.to(torch.bfloat16) for n, p in head.named_parameters()}
+    tensors = {n: p.to(torch.bfloat16) for n, p in head.named_parameters()
+               if not (head.config.shared_lm_head and n == "lm_head.weight")}  # rebuilt from the target on load
     if head.config.kind == "eagle3":
         tensors["draft_to_target"] = head.draft_to_target
     write_drafter(folder, tensors, dict(manifest, format=FORMAT, architecture=head.config.to_dict()))
@@ -340,6 +342,10 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
                                                                train_settings.draft_vocab_coverage))
     config = EagleConfig.for_target(target.config, kind, taps, draft_vocab if draft_vocab and draft_vocab < vocab
                                     else None)
+    if train_settings.shared_lm_head:
+        if kind != "eagle3":
+            raise BenchError("shared_lm_head is an EAGLE-3 option (EAGLE-1 always projects with the target's lm_head)")
+        config.shared_lm_head = True
     torch.manual_seed(settings.seed)
     head = EagleHead(config)
     if config.draft_vocab_size:
@@ -371,6 +377,7 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         with torch.no_grad():
             head.lm_head.weight.copy_(engine.lm_head[head.draft_to_target.to(engine.lm_head.device)])
             head.final_norm.copy_(engine.final_norm)
+        head.lm_head.weight.requires_grad_(not config.shared_lm_head)
 
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)

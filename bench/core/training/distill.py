@@ -175,8 +175,6 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
         reply = conv.reply
         finished = reply[-1] in eos
         conv.turns.append({"prompt_tokens": len(conv.context), "reply_tokens": len(reply), "finished": finished})
-        if bar is not None:
-            bar.update(len(reply))
         conv.messages = conv.messages + [{"role": "assistant",
                                           "content": tokenizer.decode(reply, skip_special_tokens=True)}]
         conv.replies.append(reply)
@@ -213,6 +211,8 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
                 continue
             conv = queue.popleft()
             conv.reply = [batch.start(len(owner), conv.context)]
+            if bar is not None:
+                bar.update(1)
             if done(conv):
                 if (k := finish_turn(conv)) is not None:
                     yield complete(k)
@@ -222,6 +222,8 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
             return
         for conv, token in zip(owner, batch.step(len(owner)).tolist()):
             conv.reply.append(token)
+        if bar is not None:  # tokens as they are decoded (a shard counts in the folder once complete)
+            bar.update(len(owner))
         for slot in reversed(range(len(owner))):
             if done(owner[slot]):
                 k = finish_turn(owner[slot])
