@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -82,6 +82,21 @@ budget-sweep: $(STAMP)
 	  $(BIN)/bench run --task humaneval --limit $(BUDGET_LIMIT) --max-new-tokens $(BUDGET_TOKENS) \
 	    --tag budget$$k --method $$m --budget $$k || exit 1; done; done
 	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
+
+# Issue-15 "speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
+# its drafts replaced by the AR baseline's own tokens at per-node acceptance a in ORACLE_ACCEPTS
+# (`--option oracle_accept=a`, bench.core.oracle: the method's real draft cost and tree shape),
+# tag oracle<a>, and once with its real drafter (tag oracle-real); then plots/oracle/report.html.
+ORACLE_ACCEPTS ?= 0.5 0.7 0.85 1.0
+ORACLE_LIMIT ?= 3
+ORACLE_TOKENS ?= 128
+ORACLE_METHODS ?= pld sps medusa mtp eagle2 eagle3 dflash ddtree dspark
+ORACLE_RUN = $(BIN)/bench run --task humaneval --limit $(ORACLE_LIMIT) --max-new-tokens $(ORACLE_TOKENS)
+oracle-sweep: $(STAMP)
+	for m in $(ORACLE_METHODS); do $(ORACLE_RUN) --tag oracle-real --method $$m || exit 1; \
+	  for a in $(ORACLE_ACCEPTS); do $(ORACLE_RUN) --tag oracle$$a --method $$m --option oracle_accept=$$a || exit 1; \
+	  done; done
+	$(BIN)/bench report --task humaneval --tag oracle-real $(foreach a,$(ORACLE_ACCEPTS),--tag oracle$(a)) --out plots/oracle
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

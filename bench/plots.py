@@ -268,6 +268,39 @@ def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "and verify time per round; the model leaves out TTFT and the loop's own overhead.")
 
 
+def speedup_at_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "oracle", "Speedup at τ: oracle acceptance against the real drafters"
+    rows = _with_speedup(per_task, "speedup")
+    oracle = rows[rows["oracle_accept"].notna()] if rows is not None and "oracle_accept" in rows else None
+    if oracle is None or oracle.empty:
+        return Skipped(name, title, "no run with oracle acceptance (make oracle-sweep, or "
+                                    "bench run --option oracle_accept=A)")
+    real = rows[rows["oracle_accept"].isna() & rows["method"].isin(oracle["method"])]
+    fig = _figure(5.8, 3.8)
+    markers = "osD^v<>ph*"
+    tasks = sorted(oracle["task"].unique())
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot()
+        for (method, task), group in oracle.groupby(["method", "task"]):
+            group = group.sort_values("tau")
+            ax.plot(group["tau"], group["speedup"], color=_color(method), linewidth=1, markersize=4,
+                    marker=markers[tasks.index(task) % len(markers)], label=f"{method} · {task} (oracle)")
+        for _, row in real[real["task"].isin(tasks)].iterrows():
+            ax.scatter(row["tau"], row["speedup"], color=_color(row["method"]), marker="*", s=60,
+                       edgecolors="black", linewidths=0.4)
+        ax.scatter([], [], marker="*", color="grey", edgecolors="black", label="the method's own drafter")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xlabel("τ (tokens per round)")
+        ax.set_ylabel("speedup over AR")
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "Lines: each method drafting as usual with its draft tokens replaced by "
+                 "the AR baseline's own next tokens at per-node acceptance a (`--option oracle_accept=a`, "
+                 "bench.core.oracle), so τ is chosen and only the method's drafting and verification cost decide "
+                 "the speedup. Stars: the same method with its real drafter. A star below its line at equal τ "
+                 "would mean the real drafts cost more than the oracle run's (they should not); a star left of "
+                 "the line's τ range says how much acceptance the drafter is missing.")
+
+
 def hardware_profile(profiles: list[dict], out: Path) -> Figured | Skipped:
     name, title = "profile", "Hardware profile: verification latency t_v(k) and draft cost per round"
     if not profiles:
@@ -349,9 +382,10 @@ def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | 
         figures: list[Figured | Skipped] = [Skipped(n, t, reason) for n, t in (
             ("speedup", "Speedup over AR by method and task"), ("acceptance", "Per-position acceptance a_i"),
             ("accept_hist", "Accepted length per round"), ("tau_budget", "τ vs draft budget"),
-            ("speedup_tau", "Measured speedup vs τ, with the speedup model"), ("scaling", "τ vs training tokens"))]
+            ("speedup_tau", "Measured speedup vs τ, with the speedup model"), ("scaling", "τ vs training tokens"),
+            ("oracle", "Speedup at τ: oracle acceptance against the real drafters"))]
     else:
         figures = [speedup_by_task(per_task, overall, out), acceptance_decay(per_task, overall, out),
                    accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out),
-                   tau_vs_training_tokens(per_task, out)]
+                   tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out)]
     return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]

@@ -88,4 +88,14 @@ def recorded_budget(settings: dict) -> int | None:
 def build_decoder(name: str, target, options=None):
     """`options`: a dict of `--option` values or the method's Options."""
     info = get_method(name)
-    return importlib.import_module(info.module).build(target, resolve_options(name, options))
+    resolved = resolve_options(name, options)
+    decoder = importlib.import_module(info.module).build(target, resolved)
+    accept = getattr(resolved, "oracle_accept", None)
+    if accept is None:
+        return decoder
+    from bench.core.decode import LoopDecoder
+    from bench.core.oracle import OracleDecoder
+
+    if not isinstance(decoder, LoopDecoder):
+        raise BenchError(f"{name} does not run through the decode loop: oracle_accept needs one that does")
+    return OracleDecoder(decoder, accept, resolved.oracle_seed)

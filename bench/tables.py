@@ -290,7 +290,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             drafter = run.settings.get("drafter") if isinstance(run.settings.get("drafter"), dict) else {}
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
-                "trained_tokens": drafter.get("trained_tokens")})
+                "trained_tokens": drafter.get("trained_tokens"),
+                "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept")})
             group["method"] += turns
             group["tasks"].add(run.task)
             if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
@@ -303,6 +304,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         row["budget"] = float("nan") if group["budget"] is None else group["budget"]
         # Tokens the run's drafter was trained on (`bench train` records it; NaN for older drafters).
         row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
+        # The oracle's per-node acceptance where the run replaced the drafts (bench.core.oracle); NaN: real drafts.
+        row["oracle_accept"] = float("nan") if group["oracle_accept"] is None else group["oracle_accept"]
         row.update(summarize_group(group["method"], group["base"] or None))
         rows.append(row)
     frame = pd.DataFrame(rows)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.core.decode import LoopDecoder
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.dflash import load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
@@ -26,7 +26,7 @@ CONVENTION = "DDTree (liranringel/ddtree ddtree.py) over the dflash drafter's pe
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """budget: draft nodes per round (16, sized for this CPU's verification costs:
     results/README.md, hardware profile); drafter, dtype: as dflash.
 

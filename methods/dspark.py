@@ -34,7 +34,7 @@ from typing import Literal
 
 from bench.core.decode import LoopDecoder
 from bench.core.errors import BenchError
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.dflash import block_for, load_model
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 
@@ -45,7 +45,7 @@ EXPORT_FORMATS = ("speculators",)
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """schedule: throughput | threshold | none (see above); threshold: the cut for
     schedule=threshold; block: drafts per round before the schedule cuts (default all of a
     block's: B with sample_from_anchor, B-1 without); drafter, dtype: as dflash.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.core.decode import LoopDecoder
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.eagle import EXPORT_FORMATS, load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 
@@ -27,7 +27,7 @@ BUDGET_MAX_DEPTH = 8  # --budget's depth cap: each level is one head pass
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """total_token: draft nodes + root (EAGLE's convention); depth: deepest draft level;
     top_k: children per expanded node and frontier width; drafter: folder (ours or a
     published one); dtype: the head's compute dtype (bfloat16 by default: it only proposes).

@@ -24,14 +24,14 @@ import torch
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
 from bench.core.engine import ForwardOutput
-from bench.core.options import option, parse_options
+from bench.core.options import DraftOptions, option, parse_options
 from bench.core.verify import Verdict
 
 METHOD = "lookahead"
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """ngram N, window W (Jacobi columns), guesses G (pooled n-grams verified per round), seed
     (level 0's random prompt tokens).
 

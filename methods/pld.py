@@ -10,13 +10,13 @@ import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
-from bench.core.options import option, parse_options
+from bench.core.options import DraftOptions, option, parse_options
 
 METHOD = "pld"
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """max_ngram: longest suffix matched; num_pred_tokens: tokens copied after the match.
     --budget K: num_pred_tokens = K (a chain of at most K drafts)."""
 

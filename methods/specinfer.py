@@ -27,7 +27,7 @@ from bench.core.draft import Draft
 from bench.core.drafters import find_drafter
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
-from bench.core.options import option, parse_options
+from bench.core.options import DraftOptions, option, parse_options
 from bench.core.sampling import process_logits
 from bench.core.verify import WITHOUT_REPLACEMENT
 from methods.sps import load_draft_engine
@@ -76,7 +76,7 @@ def widths_for_budget(budget: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """widths: children per node at each depth; mode: topk | sample | sample_wor (see above);
     drafter: the SpS draft model's folder (default: user-trained, then shipped).
 

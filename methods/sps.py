@@ -33,7 +33,7 @@ from bench.core.draft import Draft
 from bench.core.drafters import MANIFEST, WEIGHTS, check_tokenizer, find_drafter, open_drafter, read_weights
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from bench.core.sampling import process_logits, sample_from
 from bench.core.verify import Verdict
 
@@ -42,7 +42,7 @@ SCHEDULES = ("constant", "heuristic")
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """gamma: drafts per round; schedule: constant, or heuristic (HF's rule: +2 when all
     drafts were accepted, else -1, floor 1) capped at max_gamma; drafter: folder (default:
     user-trained, then shipped); draft_dtype: bfloat16 by default (the draft only proposes,

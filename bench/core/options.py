@@ -38,6 +38,17 @@ def option(default: Any, *, min: float | None = None, max: float | None = None, 
     return dataclasses.field(default=default, metadata=meta)
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftOptions:
+    """Options every drafting method takes (its own Options subclass this).
+    oracle_accept: replace each draft token by the AR baseline's own next token with this
+    probability per node (given its parent is right), otherwise by a wrong one, keeping the
+    method's draft cost and tree shape (bench.core.oracle; greedy only)."""
+
+    oracle_accept: float | None = option(None, min=0.0, max=1.0)
+    oracle_seed: int = option(0, min=0)
+
+
 class _Bad(Exception):
     """A value that does not fit a type; the caller words the message."""
 

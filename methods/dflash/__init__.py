@@ -26,7 +26,7 @@ import torch
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import find_drafter, load_weights_into
 from bench.core.errors import BenchError
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.dflash.drafter import BlockDrafter, BlockSettings
 from methods.dflash.model import BlockDraftModel
 
@@ -37,7 +37,7 @@ EXPORT_FORMATS = ("dflash", "speculators")
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """drafter: folder (ours, z-lab DFlash or speculators dflash/dspark); block: drafts
     verified per round, at most the drafter's drafts per block (B-1 for a block of B slots
     under z-lab's convention, B with sample_from_anchor; default all of them); dtype:

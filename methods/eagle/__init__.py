@@ -22,7 +22,7 @@ import torch
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import WEIGHTS, drafter_info, find_drafter, load_weights_into, open_drafter, read_weights
 from bench.core.errors import BenchError
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.eagle.drafter import EagleDrafter, TreeSettings, tree_from_accuracy
 from methods.eagle.model import EagleConfig, EagleHead
 
@@ -51,7 +51,7 @@ def parse_paths(text: str) -> tuple[tuple[int, ...], ...]:
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """drafter: folder (ours or a published EAGLE folder); tree_nodes: static tree size;
     paths: an explicit static tree, e.g. "0;1;0.0;0.1" (overrides tree_nodes); dtype: the
     head's and its lm_head's compute dtype, bfloat16 by default (a draft level reads the

@@ -73,7 +73,7 @@ from typing import Literal
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import find_drafter
 from bench.core.errors import BenchError
-from bench.core.options import option, parse_options
+from bench.core.options import DraftOptions, option, parse_options
 from methods.medusa.drafter import ACCEPTANCE, MedusaDrafter, typical_acceptance
 from methods.medusa.model import FORMAT, LAYOUTS, METHOD, MedusaHeads, export_heads, export_published, load_drafter
 from methods.medusa.training import Features, MedusaObjective, MedusaTraining, cross_entropy_block
@@ -98,7 +98,7 @@ __all__ = ["ACCEPTANCE", "CONVENTION", "EXPORT_FORMATS", "FORMAT", "METHOD", "TO
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """drafter: folder (ours or Medusa's; default: user-trained, then shipped); tree_size:
     "auto" (the best-first tree cut where expected tokens per second peak under this
     device's t_v(k), read from the stored `bench profile` of this machine and thread count

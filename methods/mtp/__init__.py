@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Literal
 from bench.core.decode import LoopDecoder
 from bench.core.drafters import WEIGHTS
 from bench.core.errors import BenchError
-from bench.core.options import Dtype, option, parse_options
+from bench.core.options import DraftOptions, Dtype, option, parse_options
 from methods.mtp.drafter import MAX_DEPTH, make_drafter
 from methods.mtp.store import METHOD, find_folder, load_model
 
@@ -91,7 +91,7 @@ EXPORT_FORMATS = ("speculators",)
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(DraftOptions):
     """variant: sequential | parallel (default sequential, or the manifest's for an explicit
     drafter); depth: chain length (default 4 sequential, every head parallel; parallel
     allows at most its heads); sample: at T > 0 draw drafts from the module's warped q and
