@@ -62,8 +62,7 @@ class SlotBatch:
         if int(lengths.max()) >= self.capacity:
             raise ValueError("a slot is full: retire it before the next step")
         rows = torch.arange(live, device=lengths.device)
-        span = int(lengths.max()) + 1
-        mask = (torch.arange(span, device=lengths.device)[None] <= lengths[:, None])[:, None, None]  # [b,1,1,span]
+        spans = (lengths + 1).tolist()
         cos, sin = engine.rope(lengths)
         cos, sin = cos[:, None, None], sin[:, None, None]
         x = F.embedding(self.last[:live], engine.embed)[:, None]  # [b, 1, d]
@@ -73,13 +72,16 @@ class SlotBatch:
             q, k, v = engine.attention_inputs(layer, x, cos, sin)
             self.k[i, rows, :, lengths] = k[:, :, 0]
             self.v[i, rows, :, lengths] = v[:, :, 0]
-            # One query token per row: the heads sharing a K/V head become that head's query
-            # rows, so grouped K/V is read once instead of expanded per query head.
-            attn = F.scaled_dot_product_attention(q.reshape(live, kv_heads, group, -1), self.k[i, :live, :, :span],
-                                                  self.v[i, :live, :, :span], attn_mask=mask, scale=engine.scale)
+            # Row by row over its own filled slots: slot lengths differ by up to the context
+            # limit, and a padded span would read K/V many times over. One query token per
+            # row: the heads sharing a K/V head become its query rows (K/V read once).
+            grouped = q.reshape(live, kv_heads, group, -1)
+            attn = torch.cat([F.scaled_dot_product_attention(grouped[r:r + 1], self.k[i, r:r + 1, :, :n],
+                                                             self.v[i, r:r + 1, :, :n], scale=engine.scale)
+                              for r, n in enumerate(spans)])
             x = engine.attention_output_and_mlp(layer, x, attn.reshape(live, -1, 1, attn.shape[-1]))
         x = rms_norm(x[:, 0], engine.final_norm, engine.eps)
-        tokens = F.linear(x, engine.lm_head).argmax(-1)
+        tokens = F.linear(x, engine.lm_head).float().argmax(-1)  # bf16 argmax is the slower kernel
         self.lengths[:live] += 1
         self.last[:live] = tokens
         return tokens
