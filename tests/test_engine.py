@@ -184,3 +184,39 @@ def test_half_precision_engine_runs_close_to_fp32(dtype):
     assert (half.logits - full).abs().max() < 0.1
     step = half_engine.forward(torch.tensor([3]))
     assert torch.isfinite(step.logits).all()
+
+
+def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target):
+    """bench.core.slots: slots of different lengths, one refilled and one moved mid-way,
+    each produce the engine's own greedy tokens for their prompt."""
+    import torch
+
+    from bench.core.decode import DecodeConfig, Drafter, decode
+    from bench.core.engine import Engine
+    from bench.core.sampling import SamplingConfig
+    from bench.core.slots import SlotBatch
+    from bench.core.target import load_state_dict
+
+    target = default_target
+    texts = ("The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village by the sea,")
+    prompts = [target.tokenizer(text)["input_ids"] for text in texts]
+    config = DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.0))
+    expected = [decode(target.engine, Drafter(), p, config).tokens for p in prompts]
+    engine = Engine(target.config, load_state_dict(target.path))
+    batch = SlotBatch(engine, slots=2, capacity=64)
+    got = [[batch.start(0, prompts[0])], [batch.start(1, prompts[1])], []]
+    for _ in range(3):
+        for row, token in enumerate(batch.step().tolist()):
+            got[row].append(token)
+    got[2].append(batch.start(0, prompts[2]))  # slot 0 refilled while slot 1 is mid-reply
+    owner = [2, 1]
+    for _ in range(4):
+        for row, token in zip(owner, batch.step().tolist()):
+            got[row].append(token)
+    batch.move(1, 0)  # slot 1 packed into slot 0; slot 0's reply stops here
+    owner = [1]
+    got[1].append(batch.step(live=1).item())
+    assert got[0] == expected[0][:4]
+    assert got[1] == expected[1][:9]
+    assert got[2] == expected[2][:5]
+    assert torch.equal(batch.lengths[:1], torch.tensor([len(prompts[1]) + 8]))
