@@ -198,7 +198,7 @@ def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target):
     from bench.core.target import load_state_dict
 
     target = default_target
-    texts = ("The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village by the sea,")
+    texts = ("The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village,")
     prompts = [target.tokenizer(text)["input_ids"] for text in texts]
     config = DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.0))
     expected = [decode(target.engine, Drafter(), p, config).tokens for p in prompts]
