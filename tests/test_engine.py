@@ -220,3 +220,40 @@ def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target):
     assert got[1] == expected[1][:9]
     assert got[2] == expected[2][:5]
     assert torch.equal(batch.lengths[:1], torch.tensor([len(prompts[1]) + 8]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_passes_are_batch_invariant(default_target, threads):
+    """Every row of a k-token pass (chains up to 40 rows, a tree) gets the bits of a
+    one-token pass, on the machine at hand; NaN in stale cache slots reaches no real row."""
+    import torch
+
+    from bench.core.engine import Engine
+    from bench.core.target import load_state_dict
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = Engine(default_target.config, load_state_dict(default_target.path), dtype=torch.bfloat16)
+        assert engine.invariant
+        prompt = torch.tensor(default_target.tokenizer("def fibonacci(n):\n    return")["input_ids"])
+        tokens = torch.randint(0, engine.vocab_size, (40,), generator=torch.Generator().manual_seed(threads))
+        for k in (2, 9, 17, 40):
+            engine.prefill(prompt)
+            start = engine.length
+            engine.cache.k[:, :, :, start:] = float("nan")  # stale slots poisoned
+            engine.cache.v[:, :, :, start:] = float("nan")
+            block = engine.forward(tokens[:k]).logits
+            engine.crop(start)
+            single = torch.cat([engine.forward(tokens[i:i + 1]).logits for i in range(k)])
+            assert torch.equal(block, single), k
+            assert not block.isnan().any()
+        engine.prefill(prompt)
+        start = engine.length
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        logits = engine.forward(tokens[:4], torch.tensor([0, 1, 1, 2]) + start, tree).logits
+        engine.crop(start)
+        chain = engine.forward(tokens[[0, 2, 3]]).logits  # the tree's path root -> 2 -> 3
+        assert torch.equal(logits[[0, 2, 3]], chain)
+    finally:
+        torch.set_num_threads(before)

@@ -33,3 +33,30 @@ def test_greedy_output_equals_the_targets(method, default_target, baseline, one_
     decoder = registry.build_decoder(method, default_target, {})  # every trained method ships a drafter
     for prompt, tokens in zip(prompts, expected):
         assert decoder.run_turn(prompt, config).tokens == tokens
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    from bench.core.target import load_target
+
+    return load_target(None, device="cpu", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_baseline(bf16_target):
+    config = DecodeConfig(max_new_tokens=48, sampling=SamplingConfig(0.0),
+                          eos_token_ids=tuple(bf16_target.eos_token_ids))
+    prompts = [chat_prompt(bf16_target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    ar = registry.build_decoder("ar", bf16_target, {})
+    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("method", LOSSLESS)
+def test_bf16_greedy_output_equals_the_bf16_targets(method, bf16_target, bf16_baseline, one_thread):
+    """The batch-invariant engine path (bench.core.engine, on in bf16): a k-token
+    verification rounds as the one-token step, so bf16 decoding is token-exact too."""
+    assert bf16_target.engine.invariant
+    config, prompts, expected = bf16_baseline
+    decoder = registry.build_decoder(method, bf16_target, {})
+    for prompt, tokens in zip(prompts, expected):
+        assert decoder.run_turn(prompt, config).tokens == tokens

@@ -13,6 +13,14 @@ Conventions
   inside the new block, whatever `tree_mask` allows (causal when omitted).
 - Hidden-state taps use HF's `hidden_states` numbering: tap 0 is the embedding output,
   tap l the output of decoder layer l-1, tap L (num layers) the final normed state.
+- Batch-invariant passes (`invariant`, on by default in bf16/fp16): after the prefill,
+  every row of a pass gets the bits it would get alone, so a k-token verification rounds
+  exactly as the one-token AR step and greedy decoding in half precision stays
+  token-exact. Two things differ with the number of rows otherwise: the attention kernel's
+  blocking (here: fp32 attention over the cache padded to a multiple of SPAN_ALIGN slots,
+  padding masked and zeroed, the same arithmetic for one row or many) and the GEMM kernel
+  picked for large M (here: linears in chunks of at most INVARIANT_ROWS rows, the largest
+  M measured bitwise equal to M = 1; tests/test_engine.py checks it on the machine at hand).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from torch import Tensor
 from bench.core.errors import BenchError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SPAN_ALIGN = 64  # invariant attention reads the cache in whole multiples of this many slots
+INVARIANT_ROWS = 16  # invariant linears and attention run in chunks of at most this many rows
 
 
 @dataclass
@@ -54,7 +64,7 @@ class KVCache:
     def reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        new_capacity = max(needed, 2 * self.capacity)
+        new_capacity = -(-max(needed, 2 * self.capacity) // SPAN_ALIGN) * SPAN_ALIGN
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[:3] + (new_capacity, old.shape[4]))
@@ -118,7 +128,7 @@ class Engine:
     """Target model forward with KV cache; see the module docstring for conventions."""
 
     def __init__(self, config, state_dict: dict[str, Tensor], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, invariant: bool | None = None) -> None:
         if config.model_type not in SUPPORTED_ARCHITECTURES:
             raise BenchError(
                 f"architecture '{config.model_type}' is not supported by the engine "
@@ -126,6 +136,8 @@ class Engine:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.invariant = dtype != torch.float32 if invariant is None else invariant
+        self._rows_limit: int | None = None  # INVARIANT_ROWS during an invariant pass
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -168,6 +180,7 @@ class Engine:
 
     # ----------------------------------------------------------------- cache
     def new_cache(self, capacity: int = 1024) -> KVCache:
+        capacity = -(-capacity // SPAN_ALIGN) * SPAN_ALIGN
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
                        self.dtype, self.device)
 
@@ -200,13 +213,22 @@ class Engine:
         return self._rope_cos[positions], self._rope_sin[positions]
 
     # ------------------------------------------------------- layer pieces
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """F.linear over the rows of x [b, n, d]; during an invariant pass in chunks of at
+        most INVARIANT_ROWS rows, so each row's GEMM is the one a small pass runs."""
+        limit = self._rows_limit
+        if limit is None or x.shape[-2] <= limit:
+            return F.linear(x, weight, bias)
+        return torch.cat([F.linear(x[..., i:i + limit, :], weight, bias) for i in range(0, x.shape[-2], limit)],
+                         dim=-2)
+
     def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [b, heads, n, head_dim] of x [b, n, d], RoPE applied (cos/sin broadcast
         to [b or 1, 1, n, head_dim])."""
         b, n, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         h = rms_norm(x, layer["in_norm"], self.eps)
-        q, k, v = F.linear(h, layer["qkv"], layer["qkv_bias"]).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = self.linear(h, layer["qkv"], layer["qkv_bias"]).split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -219,10 +241,29 @@ class Engine:
         """The rest of the layer: o-projection of attention output [b, heads, n, head_dim],
         residual, MLP, residual."""
         b, _, n, _ = attn.shape
-        x = x + F.linear(attn.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), layer["o"])
+        x = x + self.linear(attn.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), layer["o"])
         h = rms_norm(x, layer["post_norm"], self.eps)
-        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer["down"])
+        gate, up = self.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, layer["down"])
+
+    def invariant_attention(self, q: Tensor, layer: int, span: int, visible: Tensor) -> Tensor:
+        """Attention of q [1, heads, n, head_dim] over cache slots [0, span) (span a multiple
+        of SPAN_ALIGN, slots past the filled ones zeroed), `visible` [n, span], in fp32 with
+        one row's arithmetic independent of the others: the heads sharing a K/V head are
+        stacked as rows of one matmul, masked scores are exact zeros after the softmax."""
+        n = q.shape[2]
+        if n > INVARIANT_ROWS:  # the matmuls below pick other kernels for many rows too
+            return torch.cat([self.invariant_attention(q[:, :, i:i + INVARIANT_ROWS], layer, span,
+                                                       visible[i:i + INVARIANT_ROWS])
+                              for i in range(0, n, INVARIANT_ROWS)], dim=2)
+        _, heads, n, dim = q.shape
+        group = heads // self.num_kv_heads
+        k = self.cache.k[layer, :, :, :span].float()
+        v = self.cache.v[layer, :, :, :span].float()
+        scores = torch.matmul(q.float().reshape(1, self.num_kv_heads, group * n, dim), k.transpose(-1, -2))
+        scores = (scores * self.scale).view(1, self.num_kv_heads, group, n, span)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).view(1, self.num_kv_heads, group * n, span)
+        return torch.matmul(probs, v).view(1, heads, n, dim).to(q.dtype)
 
     # --------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -260,6 +301,14 @@ class Engine:
                 mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
                 mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
 
+        invariant = self.invariant and start > 0  # the prefill is shared by every method: no need
+        if invariant:
+            span = -(-total // SPAN_ALIGN) * SPAN_ALIGN  # within capacity: capacities are multiples of it
+            self.cache.k[:, :, :, total:span] = 0  # stale or poisoned slots: masked, and 0 * v stays 0
+            self.cache.v[:, :, :, total:span] = 0
+            visible = torch.zeros(n, span, dtype=torch.bool, device=self.device)
+            visible[:, :total] = mask if mask is not None else True  # n == 1 without a mask sees everything
+        self._rows_limit = INVARIANT_ROWS if invariant else None
         hidden: dict[int, Tensor] = {}
         x = F.embedding(tokens, self.embed)[None]  # [1, n, d]
         if 0 in taps:
@@ -269,9 +318,12 @@ class Engine:
             q, k, v = self.attention_inputs(layer, x, cos, sin)
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
-            attn = F.scaled_dot_product_attention(
-                q, k_cache[i, :, :, :total], v_cache[i, :, :, :total], attn_mask=mask,
-                is_causal=is_causal, scale=self.scale, enable_gqa=True)
+            if invariant:
+                attn = self.invariant_attention(q, i, span, visible)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q, k_cache[i, :, :, :total], v_cache[i, :, :, :total], attn_mask=mask,
+                    is_causal=is_causal, scale=self.scale, enable_gqa=True)
             x = self.attention_output_and_mlp(layer, x, attn)
             if i + 1 in taps and i + 1 < self.num_layers:
                 hidden[i + 1] = x[0]
@@ -283,7 +335,8 @@ class Engine:
             rows = {"all": x, "last": x[-1:], "none": x[:0]}[logits_rows]
         else:
             rows = x[logits_rows.to(self.device)]
-        logits = F.linear(rows, self.lm_head).float()
+        logits = self.linear(rows[None], self.lm_head)[0].float()
+        self._rows_limit = None
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def prefill(self, tokens: Tensor, taps: tuple[int, ...] = (), logits_rows: str = "last") -> ForwardOutput:
