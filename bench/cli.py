@@ -76,7 +76,8 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto: bfloat16 where bf16 is native (AMX / AVX512-BF16 CPUs, CUDA), float32 elsewhere")
 @click.option("--tag", default=None, help="suffix for the record file, for a separate series")
 @click.option("--data-dir", default=None, help="folder with local task data (shared/data layout)")
 @click.option("--results-dir", default="results", show_default=True)

@@ -130,7 +130,7 @@ def write_manifest(path: Path, manifest: dict) -> None:
 
 def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: str = "results",
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
-             device: str | None = None, dtype: str = "float32", data_dir: str | None = None,
+             device: str | None = None, dtype: str = "auto", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
              budget: int | None = None) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
@@ -144,6 +144,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     for method in methods:
         resolve_options(method, {}, budget)  # a typo, or a budget a method cannot take, fails before anything loads
     check_device(device)
+    from bench.core.target import default_device, resolve_dtype
+
+    dtype = resolve_dtype(dtype, device or default_device())  # the grid's settings keep what ran
     target = load_target(target_spec, device, dtype)
     base_decoder = build_decoder(BASELINE, target)
     manifest_path = Path(results_dir) / target.name / f"grid-{tag}.json"
@@ -238,7 +241,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct")
 @click.option("--device", default=None)
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto: bfloat16 where bf16 is native, float32 elsewhere; float32 is the audit series")
 @click.option("--data-dir", default=None)
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,

@@ -39,7 +39,7 @@ class RunSettings:
     top_p: float = 1.0
     seed: int = 0
     device: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the device has native bf16 (AMX, AVX512-BF16, CUDA), else fp32
     limit: int | None = None
     per_category: int | None = None
     categories: tuple[str, ...] = ()
@@ -209,6 +209,11 @@ def check_device(device: str | None) -> None:
 def run(settings: RunSettings, repeats: int = 1) -> dict:
     """Run a task (`repeats` whole passes, from `settings.repeat` on); returns the summary rows
     (method and baseline) pooled over the passes, each turn paired within its own pass."""
+    from bench.core.target import default_device, resolve_dtype
+
+    check_device(settings.device)
+    # Records keep the dtype that ran, so a series means the same arithmetic on every machine.
+    settings = replace(settings, dtype=resolve_dtype(settings.dtype, settings.device or default_device()))
     turns: dict[str, list[dict]] = {}
     paths: dict[str, list[str]] = {}
     for repeat in range(settings.repeat, settings.repeat + repeats):
