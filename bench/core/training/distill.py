@@ -144,13 +144,17 @@ class _Conversation:
 
 
 def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], settings: DistillSettings,
-                    eos: list[int], bar: tqdm | None = None) -> Iterator[tuple[int, list[dict], float]]:
+                    eos: list[int], bar: tqdm | None = None, finished: dict[int, dict[int, dict]] | None = None,
+                    journal=None) -> Iterator[tuple[int, list[dict], float]]:
     """Every conversation of each shard, answered turn by turn by the target on a
     continuously refilled SlotBatch: a finished reply's slot takes the next queued turn at
     once, a conversation's next turn goes to the front of the queue, and the next shard is
     opened as soon as the queue runs dry, so a shard's last long replies overlap the next
     shard's first ones. Yields (shard, rows, seconds) as each shard completes; seconds is
-    the wall time since the previous shard completed."""
+    the wall time since the previous shard completed. `finished`: rows already generated
+    ({shard: {conversation index: row}}, from an interrupted run's journal), not redone;
+    `journal(shard, row)` is called as each conversation finishes."""
+    finished = finished or {}
     limit, eos = settings.max_context - settings.max_reply, set(eos)
     shards = iter(shards)
     queue: deque[_Conversation] = deque()
@@ -181,6 +185,8 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
         if finished and queue_next(conv):  # an unfinished (cut) reply ends the conversation
             queue.appendleft(conv)
             return None
+        if journal is not None:
+            journal(conv.shard, _row(tokenizer, conv))
         waiting[conv.shard] -= 1
         return conv.shard if waiting[conv.shard] == 0 else None
 
@@ -188,7 +194,9 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
         nonlocal clock
         now, conversations = time.perf_counter(), open_shards.pop(k)
         seconds, clock = now - clock, now
-        return k, [_row(tokenizer, conv) for conv in conversations if conv.turns], seconds
+        rows = {conv.index: _row(tokenizer, conv) for conv in conversations if conv.turns}
+        rows.update(finished.get(k, {}))
+        return k, [rows[i] for i in sorted(rows)], seconds
 
     def done(conv: _Conversation) -> bool:
         return conv.reply[-1] in eos or len(conv.reply) >= settings.max_reply
@@ -202,7 +210,9 @@ def generate_shards(batch, tokenizer, shards: Iterable[tuple[int, list[dict]]], 
                 except StopIteration:
                     exhausted = True
                     continue
-                conversations = [_Conversation(i["index"], i["id"], i["users"], [], [], [], shard=k) for i in items]
+                resumed = finished.get(k, {})
+                conversations = [_Conversation(i["index"], i["id"], i["users"], [], [], [], shard=k)
+                                 for i in items if i["index"] not in resumed]
                 open_shards[k] = conversations
                 queue.extend(c for c in conversations if queue_next(c))
                 waiting[k] = len(queue)
@@ -344,13 +354,24 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
     bar = tqdm(total=min_reply_tokens, initial=have, desc="self-distilled reply tokens", unit="tok",
                disable=not progress, smoothing=0.05)
     work = ((k, items[k * size:(k + 1) * size]) for k in todo)
-    for k, rows, seconds in generate_shards(batch, target.tokenizer, work, settings, target.eos_token_ids, bar):
+    # Finished conversations of unfinished shards are journaled as they end, so an
+    # interrupted run loses only the replies in flight.
+    partial = {k: folder / f".shard_{k:05d}.partial.jsonl" for k in todo}
+    finished = {k: {row["index"]: row for row in _journal_rows(path)} for k, path in partial.items() if path.exists()}
+
+    def journal(k: int, row: dict) -> None:
+        with open(partial[k], "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    for k, rows, seconds in generate_shards(batch, target.tokenizer, work, settings, target.eos_token_ids, bar,
+                                            finished, journal):
         name = f"shard_{k:05d}.jsonl"
         tmp = folder / ("." + name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as handle:
             for row in rows:
                 handle.write(json.dumps(row, separators=(",", ":")) + "\n")
         os.replace(tmp, folder / name)
+        partial[k].unlink(missing_ok=True)
         replies = sum(t["reply_tokens"] for row in rows for t in row["turns"])
         entry = {"shard": k, "file": name, "conversations": len(rows),
                  "turns": sum(len(row["turns"]) for row in rows), "reply_tokens": replies,
@@ -369,6 +390,17 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
             break
     bar.close()
     return DistilledData(folder)
+
+
+def _journal_rows(path: Path) -> list[dict]:
+    """The conversations a shard's journal holds; a line cut by a kill is dropped (redone)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def reply_example(row: dict, max_len: int):
