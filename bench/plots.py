@@ -211,6 +211,16 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "several budgets (tags) gives several points, each labelled with its series.")
 
 
+def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "") -> None:
+    """One line per (method, task), sorted by x: the method's colour, the task's marker."""
+    markers = "osD^v<>ph*"
+    tasks = sorted(rows["task"].unique())
+    for (method, task), group in rows.groupby(["method", "task"]):
+        group = group.sort_values(x)
+        ax.plot(group[x], group[y], color=_color(method), marker=markers[tasks.index(task) % len(markers)],
+                linewidth=1, markersize=4, label=f"{method} · {task}{suffix}")
+
+
 def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     name, title = "scaling", "τ vs training tokens"
     rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
@@ -221,15 +231,9 @@ def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipp
         return Skipped(name, title, "no method run with drafters kept at two or more training sizes "
                                     "(bench train --keep-at, then bench run --drafter OUT/kept/<N>-tokens)")
     fig = _figure(5.5, 3.6)
-    markers = "osD^v<>ph*"
-    tasks = sorted(rows["task"].unique())
     with matplotlib.rc_context(RC):
         ax = fig.add_subplot()
-        for (method, task), group in rows.groupby(["method", "task"]):
-            group = group.sort_values("trained_tokens")
-            ax.plot(group["trained_tokens"], group["tau"], color=_color(method),
-                    marker=markers[tasks.index(task) % len(markers)], linewidth=1, markersize=4,
-                    label=f"{method} · {task}")
+        _method_task_lines(ax, rows, "trained_tokens", "tau")
         ax.set_xscale("log")
         ax.set_xlabel("tokens the drafter was trained on (log scale)")
         ax.set_ylabel("τ (tokens per round)")
@@ -259,13 +263,18 @@ def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
             # The model's line for this method, S = τ · t0 / (t_d + t_v), at its mean per-round cost over tasks.
             slope = (sub["speedup_model"] / sub["tau"]).mean()
             ax.plot([1, top], [slope, slope * top], color=color, linestyle="--", linewidth=0.8)
-        ax.axhline(1.0, color="black", linewidth=0.6)
-        ax.set_xlabel("τ (tokens per round)")
-        ax.set_ylabel("speedup over AR")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        _speedup_axes(ax, legend_size=7)
     return _save(fig, out, name, title, "Filled: measured (95% CI); hollow squares and dashed lines: the model "
                  "S = τ·t0/(t_d + t_v) (bench.metrics.modelled_speedup): t0 = AR time per step, t_d, t_v = draft "
                  "and verify time per round; the model leaves out TTFT and the loop's own overhead.")
+
+
+def _speedup_axes(ax, legend_size: int) -> None:
+    """Speedup against τ: the break-even line, labels, the legend outside on the right."""
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("τ (tokens per round)")
+    ax.set_ylabel("speedup over AR")
+    ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def speedup_at_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
@@ -277,22 +286,14 @@ def speedup_at_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                                     "bench run --option oracle_accept=A)")
     real = rows[rows["oracle_accept"].isna() & rows["method"].isin(oracle["method"])]
     fig = _figure(5.8, 3.8)
-    markers = "osD^v<>ph*"
-    tasks = sorted(oracle["task"].unique())
     with matplotlib.rc_context(RC):
         ax = fig.add_subplot()
-        for (method, task), group in oracle.groupby(["method", "task"]):
-            group = group.sort_values("tau")
-            ax.plot(group["tau"], group["speedup"], color=_color(method), linewidth=1, markersize=4,
-                    marker=markers[tasks.index(task) % len(markers)], label=f"{method} · {task} (oracle)")
-        for _, row in real[real["task"].isin(tasks)].iterrows():
+        _method_task_lines(ax, oracle, "tau", "speedup", " (oracle)")
+        for _, row in real[real["task"].isin(oracle["task"].unique())].iterrows():
             ax.scatter(row["tau"], row["speedup"], color=_color(row["method"]), marker="*", s=60,
                        edgecolors="black", linewidths=0.4)
         ax.scatter([], [], marker="*", color="grey", edgecolors="black", label="the method's own drafter")
-        ax.axhline(1.0, color="black", linewidth=0.6)
-        ax.set_xlabel("τ (tokens per round)")
-        ax.set_ylabel("speedup over AR")
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        _speedup_axes(ax, legend_size=6)
     return _save(fig, out, name, title, "Lines: each method drafting as usual with its draft tokens replaced by "
                  "the AR baseline's own next tokens at per-node acceptance a (`--option oracle_accept=a`, "
                  "bench.core.oracle), so τ is chosen and only the method's drafting and verification cost decide "

@@ -18,13 +18,18 @@ PROMPTS = ["Write a Python function that returns the square of a number, with a 
 LOSSLESS = [name for name, info in registry.METHODS.items() if info.lossless and name not in ("ar", "hf")]
 
 
+def _greedy_baseline(target, max_new_tokens: int):
+    """(config, prompts, AR's tokens for each prompt)."""
+    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(0.0),
+                          eos_token_ids=tuple(target.eos_token_ids))
+    prompts = [chat_prompt(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    ar = registry.build_decoder("ar", target, {})
+    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def baseline(default_target):
-    config = DecodeConfig(max_new_tokens=32, sampling=SamplingConfig(0.0),
-                          eos_token_ids=tuple(default_target.eos_token_ids))
-    prompts = [chat_prompt(default_target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    ar = registry.build_decoder("ar", default_target, {})
-    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+    return _greedy_baseline(default_target, 32)
 
 
 @pytest.mark.parametrize("method", LOSSLESS)
@@ -44,11 +49,7 @@ def bf16_target():
 
 @pytest.fixture(scope="module")
 def bf16_baseline(bf16_target):
-    config = DecodeConfig(max_new_tokens=48, sampling=SamplingConfig(0.0),
-                          eos_token_ids=tuple(bf16_target.eos_token_ids))
-    prompts = [chat_prompt(bf16_target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    ar = registry.build_decoder("ar", bf16_target, {})
-    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+    return _greedy_baseline(bf16_target, 48)
 
 
 @pytest.mark.parametrize("method", LOSSLESS)
