@@ -1,5 +1,6 @@
 """Hardware profile and the random-weight engines the GPU check times."""
 
+import pytest
 import torch
 
 from bench.core.costs import SHAPES, chain_costs, format_profile, random_engine, random_tree_mask, verify_latency
@@ -22,6 +23,13 @@ def test_verify_latency_rows_and_cache_rollback(one_thread):
     assert all(r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in profile["rows"])
     assert engine.length == 16  # every timed pass was rolled back to the context
     assert "t(k)/t(1)" in format_profile(profile)
+    # The memory-bound limit: the step's weights (30 layers + lm_head, fp32) over a bandwidth measured here.
+    bound = profile["memory_bound"]
+    layer = 4 * (576 * 960 + 576 * 576 + 2 * 576 * 1536 + 576 * 1536 + 2 * 576)
+    assert bound["weight_bytes"] == 30 * layer + 4 * 576 + 4 * 49152 * 576
+    assert bound["limit_s"] == pytest.approx(bound["weight_bytes"] / bound["read_bytes_per_s"])
+    assert bound["step_over_limit"] == pytest.approx(profile["rows"][0]["median_s"] / bound["limit_s"])
+    assert "memory-bound one-token step" in format_profile(profile)
 
 
 def test_bench_profile_stores_a_record(tmp_path, one_thread):

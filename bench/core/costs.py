@@ -99,6 +99,32 @@ def random_tree_mask(nodes: int, branching: int, device: torch.device) -> tuple[
     return mask.to(device), torch.tensor(depth, device=device)
 
 
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of weights a one-token step reads: every layer's matrices and norms, the final
+    norm and the lm_head (the embedding contributes one row; a tied lm_head counts once)."""
+    tensors = [t for layer in engine.layers for t in layer.values() if t is not None]
+    return sum(t.numel() * t.element_size() for t in [*tensors, engine.final_norm, engine.lm_head])
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a full read of a large buffer takes here (median of `repeats`), with
+    the threads the engine runs with: the memory-bound limit's denominator."""
+    timer = _timer(device)
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    buffer.sum()
+    seconds = statistics.median(timer(buffer.sum) for _ in range(repeats))
+    return buffer.numel() * 4 / seconds
+
+
+def memory_bound(engine: Engine, step_seconds: float | None) -> dict:
+    """The one-token step's memory-bound limit (weight bytes / measured read bandwidth) and
+    the measured step as a multiple of it, both from this run."""
+    nbytes, bandwidth = weight_bytes(engine), read_bandwidth(engine.device)
+    limit = nbytes / bandwidth
+    return {"weight_bytes": nbytes, "read_bytes_per_s": bandwidth, "limit_s": limit,
+            "step_over_limit": step_seconds / limit if step_seconds else None}
+
+
 def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: int = 512, repeats: int = 20,
                    warmup: int = 3, tree_sizes: tuple[int, ...] = (), progress: bool = False) -> dict:
     """Median seconds of one k-token verification pass (logits at every row) after a
@@ -132,7 +158,7 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
     base = next((r["median_s"] for r in rows if r["kind"] == "chain" and r["k"] == 1), None)
     for row in rows:
         row["ratio_to_k1"] = row["median_s"] / base if base else None
-    return {"context": context, "rows": rows}
+    return {"context": context, "rows": rows, "memory_bound": memory_bound(engine, base)}
 
 
 def format_profile(profile: dict) -> str:
@@ -140,6 +166,12 @@ def format_profile(profile: dict) -> str:
     for row in profile["rows"]:
         ratio = f"{row['ratio_to_k1']:.2f}" if row["ratio_to_k1"] else "-"
         lines.append(f"{row['kind']:<6} {row['k']:>4} {row['median_s'] * 1e3:>10.3f} {ratio:>10}")
+    bound = profile.get("memory_bound")
+    if bound:
+        over = f"; t_v(1) = {bound['step_over_limit']:.2f}x it" if bound.get("step_over_limit") else ""
+        lines.append(f"memory-bound one-token step: {bound['limit_s'] * 1e3:.2f} ms "
+                     f"({bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['read_bytes_per_s'] / 1e9:.1f} "
+                     f"GB/s measured){over}")
     if profile.get("drafters"):
         lines.append(f"{'drafter':<10} {'draft ms/round':>15} {'verify ms/round':>16} {'nodes':>6} {'tau':>5}")
         for row in profile["drafters"]:
