@@ -124,6 +124,8 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="output folder (default: $BENCH_CACHE/drafters/<target>/<method>); resumes if it has a checkpoint")
 @click.option("--max-steps", type=click.IntRange(min=1), default=600, show_default=True,
               help="optimizer steps of --batch-size conversations each")
+@click.option("--epochs", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="passes over the training data instead of --max-steps (each trainer counts its data)")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="conversations per step")
 @click.option("--max-len", type=click.IntRange(min=16), default=384, show_default=True,
               help="tokens per conversation (sps; feature drafters use their feature cache's length)")
@@ -141,7 +143,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="trained-token counts (e.g. 2e5,1e6) at which a copy of the drafter is kept in OUT/kept/ "
                    "(for the scaling figure)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
-def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_steps, seed, device,
+def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
           checkpoint_minutes, data_limit, threads, precision, keep_at, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
@@ -174,7 +176,7 @@ def train(method, target, out_dir, max_steps, batch_size, max_len, lr, warmup_st
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
-        options=_parse_options(options), precision=precision, keep_at=keep)
+        options=_parse_options(options), precision=precision, keep_at=keep, epochs=epochs)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")

@@ -238,3 +238,17 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
                          on_milestone=lambda tokens, step: fired.append((tokens, step)))
     assert fired == [(150, 2), (250, 3), (450, 5)] and summary["tokens_seen"] == 500
     assert [row["tokens_seen"] for row in loop.read_log(tmp_path)] == [100, 200, 300, 400, 500]
+
+
+def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
+    """`bench train --epochs E`: max_steps = E passes over the trainer's own data."""
+    import dataclasses
+
+    settings = dataclasses.replace(_settings(tmp_path / "epochs", sharegpt, max_steps=1000), epochs=1.5, batch_size=2)
+    summary = train_draft_lm(tiny_target, settings)
+    conversations = len(ShareGPTExamples(tiny_target.tokenizer, settings.max_len, settings.seed, path=sharegpt))
+    assert summary["steps"] == -(-3 * conversations // 4)  # ceil(1.5 * n / 2)
+    manifest = json.loads((tmp_path / "epochs" / "drafter.json").read_text())
+    assert manifest["training"]["max_steps"] == summary["steps"]
+    with pytest.raises(BenchError, match="epochs"):
+        dataclasses.replace(settings, epochs=1.0).loop_config()

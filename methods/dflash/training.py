@@ -299,7 +299,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
                 "features": store.folder.name, "train": asdict(train_settings),
                 "bf16_autocast": settings.bf16_autocast()}
-    cfg = settings.loop_config(grad_clip=1.0)
+    cfg = settings.loop_config(len(batches.train_spans), grad_clip=1.0)
 
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)

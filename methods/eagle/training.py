@@ -360,7 +360,7 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
                 "features": store.folder.name, "train": asdict(train_settings),
                 "bf16_autocast": settings.bf16_autocast()}
-    cfg = settings.loop_config(grad_clip=0.5)
+    cfg = settings.loop_config(len(batches.train_spans), grad_clip=0.5)
     out_dir = Path(settings.out_dir)
     if config.draft_vocab_size:
         vocab_file = out_dir / "draft_vocab.json"  # the map is data, not a parameter: keep it across resumes

@@ -272,7 +272,8 @@ def train_medusa(target, settings) -> dict:
                 "data_limit": settings.data_limit, "features": data.key(),
                 "medusa": {k: v for k, v in asdict(opts).items() if k not in ("eval_positions", "tree_size")},
                 "bf16_autocast": settings.bf16_autocast()}
-    cfg = settings.loop_config()
+    # An epoch: every training reply position once, in windows of opts.window.
+    cfg = settings.loop_config(max(1, len(features.train_anchors) // opts.window))
     out_dir = Path(settings.out_dir)
 
     def export(step: int) -> None:
@@ -292,7 +293,7 @@ def train_medusa(target, settings) -> dict:
             "tree": {"paths": [list(p) for p in paths], "size": len(paths),
                      "expected_accepted": round(expected_accepted(paths, accuracy), 4)},
             "training": {
-                "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size,
+                "steps": step, "max_steps": cfg.max_steps, "batch_size": settings.batch_size,
                 "window": opts.window, "lr": settings.lr, "warmup_steps": settings.warmup_steps,
                 "seed": settings.seed, "device": settings.device, "labels": opts.labels,
                 "head_decay": opts.head_decay, "features": str(store.folder), "feature_data": asdict(data),

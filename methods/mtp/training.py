@@ -304,7 +304,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     identity = {"method": METHOD, "target": target_info, "batch_size": settings.batch_size,
                 "max_len": settings.max_len, "data_limit": settings.data_limit, "features": data.key(),
                 "mtp": asdict(opts)}
-    cfg = settings.loop_config()
+    cfg = settings.loop_config(len(train_windows))
     architecture = dict(asdict(LayerShape.of(target.engine)), kind=opts.variant)
     if opts.variant == "parallel":
         architecture["heads"] = opts.heads
@@ -319,7 +319,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
             **({"fuse_order": opts.fuse_order} if opts.variant == "sequential" else {}),
             "shared": ["embedding", "lm_head"], "mtp_settings": asdict(opts),
             "training": {
-                "steps": step, "max_steps": settings.max_steps, "batch_size": settings.batch_size,
+                "steps": step, "max_steps": cfg.max_steps, "batch_size": settings.batch_size,
                 "max_len": settings.max_len, "lr": settings.lr, "warmup_steps": settings.warmup_steps,
                 "seed": settings.seed, "device": settings.device, "features": str(store.folder),
                 "feature_data": asdict(data), "train_windows": len(train_windows),

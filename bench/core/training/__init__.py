@@ -6,8 +6,11 @@ checkpoints and resume, and per-method objectives (draft_lm: the SpS draft model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench.core.errors import BenchError
 
 
 def heldout_prediction(top1_by_position: list[float]) -> dict:
@@ -39,6 +42,7 @@ class TrainSettings:
     options: dict = field(default_factory=dict)  # method-specific (e.g. num_layers, init)
     precision: str = "auto"  # auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32
     keep_at: tuple[int, ...] = ()  # trained-token counts at which a copy of the drafter is kept (scaling figure)
+    epochs: float | None = None  # set: max_steps = passes over the trainer's training data (its batch units)
 
     def bf16_autocast(self) -> bool:
         """Whether the drafter's matmuls run under bf16 autocast (fp32 master weights and
@@ -47,11 +51,18 @@ class TrainSettings:
 
         return resolve_dtype(self.precision, self.device) == "bfloat16"
 
-    def loop_config(self, **overrides):
-        """The generic loop's settings from these (bench.core.training.loop.LoopConfig)."""
+    def loop_config(self, units: int | None = None, **overrides):
+        """The generic loop's settings from these (bench.core.training.loop.LoopConfig).
+        units: how many batch units (conversations, windows) one epoch of the trainer's
+        data holds; with `epochs` set, max_steps is epochs * units / batch_size."""
         from bench.core.training.loop import LoopConfig
 
-        return LoopConfig(max_steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
+        steps = self.max_steps
+        if self.epochs is not None:
+            if not units:
+                raise BenchError("--epochs needs a trainer that knows its data size (this one does not)")
+            steps = max(1, math.ceil(self.epochs * units / self.batch_size))
+        return LoopConfig(max_steps=steps, lr=self.lr, warmup_steps=self.warmup_steps,
                           checkpoint_every_s=self.checkpoint_every_s, seed=self.seed, **overrides)
 
     def keeper(self, export):
