@@ -228,6 +228,7 @@ def test_bf16_passes_are_batch_invariant(default_target, threads):
     one-token pass, on the machine at hand; NaN in stale cache slots reaches no real row."""
     import torch
 
+    from bench.core.draft import Draft
     from bench.core.engine import Engine
     from bench.core.target import load_state_dict
 
@@ -248,12 +249,19 @@ def test_bf16_passes_are_batch_invariant(default_target, threads):
             single = torch.cat([engine.forward(tokens[i:i + 1]).logits for i in range(k)])
             assert torch.equal(block, single), k
             assert not block.isnan().any()
-        engine.prefill(prompt)
-        start = engine.length
-        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        logits = engine.forward(tokens[:4], torch.tensor([0, 1, 1, 2]) + start, tree).logits
-        engine.crop(start)
-        chain = engine.forward(tokens[[0, 2, 3]]).logits  # the tree's path root -> 2 -> 3
-        assert torch.equal(logits[[0, 2, 3]], chain)
+        generator = torch.Generator().manual_seed(10 + threads)
+        for _ in range(6):  # random 24-node trees: a path's rows equal the chain of that path
+            parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(24)]
+            draft = Draft(tokens[1:25].tolist(), parents)
+            engine.prefill(prompt)
+            start = engine.length
+            block, positions, mask = draft.verify_inputs(int(tokens[0]), start)
+            logits = engine.forward(block, positions, mask).logits
+            node, path = max(range(24), key=lambda i: draft.depths()[i]), []
+            while node >= 0:
+                path, node = [node] + path, parents[node]
+            engine.crop(start)
+            chain = engine.forward(torch.tensor([int(tokens[0])] + [draft.tokens[i] for i in path])).logits
+            assert torch.equal(logits[[0] + [i + 1 for i in path]], chain)
     finally:
         torch.set_num_threads(before)
