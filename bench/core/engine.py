@@ -221,8 +221,10 @@ class Engine:
         limit = self._rows_limit
         if limit is None or x.shape[-2] <= limit:
             return F.linear(x, weight, bias)
-        return torch.cat([F.linear(x[..., i:i + limit, :], weight, bias) for i in range(0, x.shape[-2], limit)],
-                         dim=-2)
+        # 2-D chunks: a sliced 3-D input would take the batched-matmul path, which copies the weight.
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([F.linear(rows[i:i + limit], weight, bias) for i in range(0, rows.shape[0], limit)])
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [b, heads, n, head_dim] of x [b, n, d], RoPE applied (cos/sin broadcast
