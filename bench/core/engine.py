@@ -42,6 +42,11 @@ SPAN_ALIGN = 64  # invariant attention reads the cache in whole multiples of thi
 INVARIANT_ROWS = 16  # invariant linears and attention run in chunks of at most this many rows
 
 
+def aligned(slots: int) -> int:
+    """`slots` rounded up to a whole multiple of SPAN_ALIGN."""
+    return -(-slots // SPAN_ALIGN) * SPAN_ALIGN
+
+
 @dataclass
 class ForwardOutput:
     logits: Tensor  # [n, vocab] float32 (rows for the requested positions)
@@ -66,7 +71,7 @@ class KVCache:
     def reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        new_capacity = -(-max(needed, 2 * self.capacity) // SPAN_ALIGN) * SPAN_ALIGN
+        new_capacity = aligned(max(needed, 2 * self.capacity))
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[:3] + (new_capacity, old.shape[4]))
@@ -182,7 +187,7 @@ class Engine:
 
     # ----------------------------------------------------------------- cache
     def new_cache(self, capacity: int = 1024) -> KVCache:
-        capacity = -(-capacity // SPAN_ALIGN) * SPAN_ALIGN
+        capacity = aligned(capacity)
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
                        self.dtype, self.device)
 
@@ -308,7 +313,7 @@ class Engine:
 
         invariant = self.invariant and start > 0  # the prefill is shared by every method: no need
         if invariant:
-            span = -(-total // SPAN_ALIGN) * SPAN_ALIGN  # within capacity: capacities are multiples of it
+            span = aligned(total)  # within capacity: capacities are multiples of it
             self.cache.k[:, :, :, total:span] = 0  # stale or poisoned slots: masked, and 0 * v stays 0
             self.cache.v[:, :, :, total:span] = 0
             visible = torch.zeros(n, span, dtype=torch.bool, device=self.device)
