@@ -21,8 +21,11 @@ Conventions
   padded to a multiple of SPAN_ALIGN slots, padding masked and zeroed, the same arithmetic
   for one row or many, and sums that do not depend on their order at bf16's resolution;
   fp32 sums did, for 7 of 20 random 24-node trees) and the GEMM kernel
-  picked for large M (here: linears in chunks of at most INVARIANT_ROWS rows, the largest
-  M measured bitwise equal to M = 1; tests/test_engine.py checks it on the machine at hand).
+  picked for large M (here: linears in chunks of at most PACK_ROWS rows on prepacked weights,
+  INVARIANT_ROWS on plain ones, the largest M measured bitwise equal to M = 1;
+  tests/test_engine.py checks it on the machine at hand).
+- Prepacked weights: on the CPU in bf16 the linears run oneDNN's GEMM on weights reordered
+  once at load (`F.linear` reorders them on every call, about half a one-token step here).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from bench.core.errors import BenchError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SPAN_ALIGN = 64  # invariant attention reads the cache in whole multiples of this many slots
-INVARIANT_ROWS = 16  # invariant linears and attention run in chunks of at most this many rows
+INVARIANT_ROWS = 16  # invariant attention (and unpacked linears) run in chunks of at most this many rows
+PACK_ROWS = 32  # bf16 CPU weights are prepacked for GEMMs of this many rows; invariant linears run in such chunks
 
 
 def aligned(slots: int) -> int:
@@ -180,6 +184,7 @@ class Engine:
                 "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                 "down": w(p + "mlp.down_proj.weight"),
             })
+        self._packed = self._pack_weights()
         self.inv_freq, self.rope_scaling = _rope_inv_freq(config)
         self.inv_freq = self.inv_freq.to(self.device)
         self._rope_cos = self._rope_sin = None
@@ -220,15 +225,32 @@ class Engine:
         return self._rope_cos[positions], self._rope_sin[positions]
 
     # ------------------------------------------------------- layer pieces
+    def _pack_weights(self) -> dict[int, Tensor]:
+        """oneDNN-reordered copies of the linear weights (by the id of the plain tensor), for
+        bf16 on the CPU; empty elsewhere (fp32 keeps F.linear: its packed GEMM was no faster
+        and not row-invariant here)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return {}
+        weights = [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        return {id(w): torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in [*weights, self.lm_head]}
+
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """F.linear over the rows of x [b, n, d]; during an invariant pass in chunks of at
-        most INVARIANT_ROWS rows, so each row's GEMM is the one a small pass runs."""
-        limit = self._rows_limit
-        if limit is None or x.shape[-2] <= limit:
+        """x [..., d] @ weight.T (+ bias), on the prepacked weight when there is one; during an
+        invariant pass in chunks of rows small enough that each row's GEMM is the one a
+        one-row pass runs."""
+        packed = self._packed.get(id(weight))
+        limit = self._rows_limit and (PACK_ROWS if packed is not None else self._rows_limit)
+        if packed is None and (limit is None or x.shape[-2] <= limit):
             return F.linear(x, weight, bias)
-        # 2-D chunks: a sliced 3-D input would take the batched-matmul path, which copies the weight.
+        # 2-D rows: a sliced 3-D input would take the batched-matmul path, which copies the weight.
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([F.linear(rows[i:i + limit], weight, bias) for i in range(0, rows.shape[0], limit)])
+        limit = limit or rows.shape[0]
+        if packed is None:
+            parts = [F.linear(rows[i:i + limit], weight, bias) for i in range(0, rows.shape[0], limit)]
+        else:
+            parts = [torch.ops.mkldnn._linear_pointwise(rows[i:i + limit], packed, bias, "none", [], "")
+                     for i in range(0, rows.shape[0], limit)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

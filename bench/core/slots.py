@@ -81,7 +81,7 @@ class SlotBatch:
                               for r, n in enumerate(spans)])
             x = engine.attention_output_and_mlp(layer, x, attn.reshape(live, -1, 1, attn.shape[-1]))
         x = rms_norm(x[:, 0], engine.final_norm, engine.eps)
-        tokens = F.linear(x, engine.lm_head).float().argmax(-1)  # bf16 argmax is the slower kernel
+        tokens = engine.linear(x, engine.lm_head).float().argmax(-1)  # bf16 argmax is the slower kernel
         self.lengths[:live] += 1
         self.last[:live] = tokens
         return tokens
