@@ -248,3 +248,49 @@ def test_shared_lm_head_is_the_targets_rows_frozen_and_not_stored(default_target
         bad = tiny_training("eagle1", 1, "eagle1-shared")
         bad.options["shared_lm_head"] = True
         train_eagle(default_target, bad, "eagle1", "eagle")
+
+
+def test_dynamic_tree_keeps_the_best_scoring_nodes(default_target, one_thread):
+    """The device-built EAGLE-2 tree equals a plain host construction fed the same head
+    outputs: expand the top_k best frontier nodes per level (score: summed log-probs, ties
+    by creation order), keep the best total_token - 1 nodes, parents first."""
+    from bench.core.decode import DecodeState
+
+    head = random_head(default_target, "eagle3", seed=4, draft_vocab=2048)
+    settings = TreeSettings(total_token=14, depth=4, top_k=3)
+    drafter = EagleDrafter(default_target, head, settings)
+    prompt = prompt_of(default_target)
+    out = default_target.engine.prefill(torch.tensor(prompt), taps=drafter.taps, logits_rows="last")
+    state = DecodeState(tokens=prompt + [int(out.logits[-1].argmax())], prompt_len=len(prompt),
+                        engine=default_target.engine, config=DecodeConfig(), generator=None)
+    drafter.begin(state, out)
+    levels = []  # the log-probs each level's frontier got, in the order it was run
+    run_nodes = drafter._run_nodes
+    drafter._run_nodes = lambda tree, nodes: levels.append(run_nodes(tree, nodes)) or levels[-1]
+    root_out = drafter._extend_context()
+    root, vocab = drafter._log_probs(root_out[None])
+    draft = drafter._dynamic(root[0], vocab, root_out)
+
+    tokens, parents, scores = [], [], []  # the host construction
+    values, ids = root[0].topk(3)
+    frontier = []
+    for v, i in zip(values.tolist(), ids.tolist()):
+        frontier.append(len(tokens))
+        tokens.append(int(vocab[i])), parents.append(-1), scores.append(v)
+    for log_probs in levels:
+        values, ids = log_probs.topk(3, dim=-1)
+        candidates = []
+        for row, node in enumerate(frontier):
+            for v, i in zip(values[row].tolist(), ids[row].tolist()):
+                candidates.append(len(tokens))
+                tokens.append(int(vocab[i])), parents.append(node), scores.append(scores[node] + v)
+        frontier = sorted(candidates, key=lambda n: -scores[n])[:3]
+    best = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:13]
+    depth = [0] * len(tokens)
+    for n, p in enumerate(parents):
+        depth[n] = 1 if p < 0 else depth[p] + 1
+    order = sorted(best, key=lambda n: (depth[n], n))
+    assert all(parents[n] in best for n in best if parents[n] >= 0)  # ancestor-closed by the scores alone
+    assert len(levels) == 3
+    assert draft.tokens == [tokens[n] for n in order]
+    assert draft.parents == [order.index(parents[n]) if parents[n] >= 0 else -1 for n in order]

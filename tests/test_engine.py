@@ -265,3 +265,50 @@ def test_bf16_passes_are_batch_invariant(default_target, threads):
             assert torch.equal(logits[[0] + [i + 1 for i in path]], chain)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_bucket_padded_passes_equal_unpadded(default_target, dtype_name):
+    """A pass padded to VERIFY_BUCKETS rows gives its real rows the argmax (fp32) or the
+    bits (bf16, batch-invariant) of the unpadded pass; padding rows whose inputs are NaN
+    and NaN in stale cache slots reach no real row; the cache keeps only the real rows."""
+    import torch
+
+    from bench.core.draft import Draft
+    from bench.core.engine import PAD_TOKEN, VERIFY_BUCKETS, Engine
+    from bench.core.target import load_state_dict
+
+    dtype = getattr(torch, dtype_name)
+    plain = Engine(default_target.config, load_state_dict(default_target.path), dtype=dtype)
+    padded = Engine(default_target.config, load_state_dict(default_target.path), dtype=dtype)
+    padded.buckets = VERIFY_BUCKETS
+    poisoned = padded.embed.clone()
+    poisoned[PAD_TOKEN] = float("nan")  # padding rows start from NaN (lm_head keeps the real rows)
+    padded.embed = poisoned
+    prompt = torch.tensor(default_target.tokenizer("def fibonacci(n):\n    return")["input_ids"])
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, plain.vocab_size, (40,), generator=generator)
+    cases = [(tokens[:k], None, None) for k in (1, 3, 5, 13, 17, 30)]
+    for nodes in (6, 20):
+        parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(nodes)]
+        cases.append(Draft(tokens[1:nodes + 1].tolist(), parents).verify_inputs(int(tokens[0]), 0))
+    for block, positions, mask in cases:
+        outputs = []
+        for engine in (plain, padded):
+            engine.prefill(prompt)
+            start = engine.length
+            engine.cache.k[:, :, :, start:] = float("nan")  # stale slots poisoned
+            engine.cache.v[:, :, :, start:] = float("nan")
+            out = engine.forward(block, None if positions is None else positions + start, mask, taps=(15,))
+            assert engine.length == start + len(block)
+            assert out.logits.shape[0] == len(block) and out.hidden[15].shape[0] == len(block)
+            assert not out.logits.isnan().any() and not out.hidden[15].isnan().any()
+            after = engine.forward(torch.tensor([int(tokens[-1])])).logits  # decoding goes on from the real rows
+            outputs.append((out.logits, after))
+        (logits, after), (padded_logits, padded_after) = outputs
+        assert padded.bucket(len(block)) > len(block) or len(block) in VERIFY_BUCKETS
+        if dtype == torch.bfloat16:
+            assert torch.equal(logits, padded_logits) and torch.equal(after, padded_after), len(block)
+        else:
+            assert torch.equal(logits.argmax(-1), padded_logits.argmax(-1)), len(block)
+            assert torch.equal(after.argmax(-1), padded_after.argmax(-1))

@@ -61,3 +61,27 @@ def test_bf16_greedy_output_equals_the_bf16_targets(method, bf16_target, bf16_ba
     decoder = registry.build_decoder(method, bf16_target, {})
     for prompt, tokens in zip(prompts, expected):
         assert decoder.run_turn(prompt, config).tokens == tokens
+
+
+@pytest.mark.parametrize("method", ["lookahead", "specinfer", "eagle3", "ddtree"])
+def test_bucket_padded_bf16_decoding_is_exact_and_sizes_the_cache_once(method, bf16_target, bf16_baseline,
+                                                                       one_thread, monkeypatch):
+    """Verify passes padded to VERIFY_BUCKETS (chains, trees, Lookahead's extra branch):
+    still token-exact; and the target's KV cache, sized at the prefill for the whole turn,
+    never grows inside a round."""
+    from bench.core.engine import VERIFY_BUCKETS, KVCache
+
+    grown, reserve = [], KVCache.reserve
+
+    def watched(cache, needed):
+        if cache is bf16_target.engine.cache and needed > cache.capacity:
+            grown.append(needed)
+        reserve(cache, needed)
+
+    monkeypatch.setattr(KVCache, "reserve", watched)
+    monkeypatch.setattr(bf16_target.engine, "buckets", VERIFY_BUCKETS)
+    config, prompts, expected = bf16_baseline
+    decoder = registry.build_decoder(method, bf16_target, {})
+    for prompt, tokens in zip(prompts, expected):
+        assert decoder.run_turn(prompt, config).tokens == tokens
+    assert not grown

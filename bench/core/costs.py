@@ -125,6 +125,30 @@ def memory_bound(engine: Engine, step_seconds: float | None) -> dict:
             "step_over_limit": step_seconds / limit if step_seconds else None}
 
 
+def hf_generate_step(target, context: int = 512, new_tokens: int = 32, repeats: int = 3) -> dict:
+    """Seconds per token of transformers' own greedy `generate` on the target's weights and
+    dtype after a `context`-token prompt: (t(new_tokens) - t(1)) / (new_tokens - 1), so the
+    prefill cancels. The outside reference the engine's one-token step is measured against."""
+    from bench.core.target import load_hf_model
+
+    engine = target.engine
+    model = load_hf_model(target.path, str(engine.device), str(engine.dtype).removeprefix("torch."))
+    timer = _timer(engine.device)
+    prompt = torch.randint(0, engine.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(engine.device)
+
+    def generate(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+
+    generate(2)
+    one = statistics.median(timer(lambda: generate(1)) for _ in range(repeats))
+    many = statistics.median(timer(lambda: generate(new_tokens)) for _ in range(repeats))
+    return {"context": context, "new_tokens": new_tokens, "repeats": repeats,
+            "step_s": max(many - one, 0.0) / (new_tokens - 1)}
+
+
 def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: int = 512, repeats: int = 20,
                    warmup: int = 3, tree_sizes: tuple[int, ...] = (), progress: bool = False) -> dict:
     """Median seconds of one k-token verification pass (logits at every row) after a
@@ -172,6 +196,11 @@ def format_profile(profile: dict) -> str:
         lines.append(f"memory-bound one-token step: {bound['limit_s'] * 1e3:.2f} ms "
                      f"({bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['read_bytes_per_s'] / 1e9:.1f} "
                      f"GB/s measured){over}")
+    hf, base = profile.get("hf_generate"), next((r for r in profile["rows"] if r["kind"] == "chain" and r["k"] == 1),
+                                                 None)
+    if hf and base:
+        lines.append(f"transformers.generate: {hf['step_s'] * 1e3:.2f} ms per token; "
+                     f"the engine's one-token step is {hf['step_s'] / base['median_s']:.2f}x faster")
     if profile.get("drafters"):
         lines.append(f"{'drafter':<10} {'draft ms/round':>15} {'verify ms/round':>16} {'nodes':>6} {'tau':>5}")
         for row in profile["drafters"]:

@@ -18,6 +18,8 @@ from bench.core.engine import Engine, ForwardOutput
 from bench.core.sampling import SamplingConfig, sample
 from bench.core.verify import Verdict, verify
 
+PASS_HEADROOM = 256  # cache slots past the reply for one verify pass (the largest drafts: trees of ~100 nodes)
+
 
 @dataclass
 class DecodeConfig:
@@ -119,7 +121,8 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
     stop = _StopRule(config, tokenizer)
     _sync(device)
     started = time.perf_counter()
-    prefill = engine.prefill(torch.tensor(prompt), taps=drafter.taps)
+    prefill = engine.prefill(torch.tensor(prompt), taps=drafter.taps,
+                             capacity=len(prompt) + config.max_new_tokens + PASS_HEADROOM)
     first = sample(prefill.logits[-1], config.sampling, generator)
     _sync(device)
     first_at = time.perf_counter()

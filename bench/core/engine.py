@@ -43,6 +43,9 @@ from bench.core.errors import BenchError
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SPAN_ALIGN = 64  # invariant attention reads the cache in whole multiples of this many slots
 INVARIANT_ROWS = 16  # invariant attention (and unpacked linears) run in chunks of at most this many rows
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # pass sizes with a fixed shape (CUDA graphs capture these)
+PAD_TOKEN = 0  # token of bucket padding rows (any valid id: nothing in them reaches a real row)
+ROPE_PRECOMPUTED = 131072  # RoPE tables are built once, up to the model's context limit or this
 PACK_ROWS = 32  # bf16 CPU weights are prepacked for GEMMs of this many rows; invariant linears run in such chunks
 
 
@@ -149,6 +152,9 @@ class Engine:
         self.dtype = dtype
         self.invariant = dtype != torch.float32 if invariant is None else invariant
         self._rows_limit: int | None = None  # INVARIANT_ROWS during an invariant pass
+        # Passes after the prefill padded to VERIFY_BUCKETS rows: fixed shapes for captured
+        # graphs on CUDA; off on the CPU, where padding only costs (tests turn it on there).
+        self.buckets: tuple[int, ...] = VERIFY_BUCKETS if self.device.type == "cuda" else ()
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -188,17 +194,24 @@ class Engine:
         self.inv_freq, self.rope_scaling = _rope_inv_freq(config)
         self.inv_freq = self.inv_freq.to(self.device)
         self._rope_cos = self._rope_sin = None
+        self._rope_tables(min(getattr(config, "max_position_embeddings", 4096) or 4096, ROPE_PRECOMPUTED))
         self.cache = self.new_cache()
 
     # ----------------------------------------------------------------- cache
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """K/V storage: the invariant path keeps them in fp64 (exact copies of the rounded
+        values), which its attention reads without a cast per layer and pass."""
+        return torch.float64 if self.invariant else self.dtype
+
     def new_cache(self, capacity: int = 1024) -> KVCache:
         capacity = aligned(capacity)
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity,
-                       self.dtype, self.device)
+                       self.cache_dtype, self.device)
 
     def reset(self, capacity: int = 1024) -> None:
         """Start a new sequence. Reuses the buffers when they are large enough."""
-        if self.cache.capacity >= capacity:
+        if self.cache.capacity >= capacity and self.cache.k.dtype == self.cache_dtype:
             self.cache.length = 0
         else:
             self.cache = self.new_cache(capacity)
@@ -214,14 +227,17 @@ class Engine:
         self.cache.crop(length)
 
     # ------------------------------------------------------------------ rope
+    def _rope_tables(self, size: int) -> None:
+        freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._rope_cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        self._rope_sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        needed = int(positions.max()) + 1
-        if self._rope_cos is None or self._rope_cos.shape[0] < needed:
-            size = max(needed, 2 * (0 if self._rope_cos is None else self._rope_cos.shape[0]), 4096)
-            freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-            self._rope_sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        """cos, sin at `positions`. The tables cover the model's context limit from the
+        start; past it they grow, checked on the CPU only (a GPU check would be a host sync)."""
+        if positions.device.type == "cpu" and int(positions.max()) >= self._rope_cos.shape[0]:
+            self._rope_tables(2 * int(positions.max()) + 1)
         return self._rope_cos[positions], self._rope_sin[positions]
 
     # ------------------------------------------------------- layer pieces
@@ -240,7 +256,7 @@ class Engine:
         one-row pass runs."""
         packed = self._packed.get(id(weight))
         limit = self._rows_limit and (PACK_ROWS if packed is not None else self._rows_limit)
-        if packed is None and (limit is None or x.shape[-2] <= limit):
+        if (packed is None and (limit is None or x.shape[-2] <= limit)) or x.numel() == 0:
             return F.linear(x, weight, bias)
         # 2-D rows: a sliced 3-D input would take the batched-matmul path, which copies the weight.
         rows = x.reshape(-1, x.shape[-1])
@@ -290,8 +306,8 @@ class Engine:
                               for i in range(0, n, INVARIANT_ROWS)], dim=2)
         _, heads, n, dim = q.shape
         group = heads // self.num_kv_heads
-        k = self.cache.k[layer, :, :, :span].double()
-        v = self.cache.v[layer, :, :, :span].double()
+        k = self.cache.k[layer, :, :, :span]  # fp64 (cache_dtype)
+        v = self.cache.v[layer, :, :, :span]
         scores = torch.matmul(q.double().reshape(1, self.num_kv_heads, group * n, dim), k.transpose(-1, -2))
         scores = (scores * self.scale).view(1, self.num_kv_heads, group, n, span)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).view(1, self.num_kv_heads, group * n, span)
@@ -315,10 +331,7 @@ class Engine:
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)
         positions = positions.to(self.device)
-        self.cache.reserve(start + n)
         total = start + n
-        cos, sin = self.rope(positions)
-        cos, sin = cos[None, None], sin[None, None]
         mask = None
         is_causal = False
         if tree_mask is not None and tree_mask.shape[1] == total and total != n:
@@ -332,7 +345,32 @@ class Engine:
             else:
                 mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
                 mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        padded = self.bucket(n) if self.buckets and start > 0 else n
+        if padded > n:  # padding rows: token PAD_TOKEN at the last row's position, each sees only itself
+            extra = padded - n
+            tokens = torch.cat([tokens, tokens.new_full((extra,), PAD_TOKEN)])
+            positions = torch.cat([positions, positions[-1:].expand(extra)])
+            full = torch.zeros(padded, start + padded, dtype=torch.bool, device=self.device)
+            full[:n, :total] = True if mask is None else mask
+            full[n:, total:] = torch.eye(extra, dtype=torch.bool, device=self.device)
+            mask = full
+        self.cache.reserve(start + padded)
+        cos, sin = self.rope(positions)
+        cos, sin = cos[None, None], sin[None, None]
+        out = self._forward(tokens, positions, mask, is_causal, cos, sin, start, n, taps, logits_rows)
+        self.cache.length = total
+        return out
 
+    def bucket(self, n: int) -> int:
+        """The row count a pass of n rows is padded to (n itself past the largest bucket)."""
+        return next((b for b in self.buckets if b >= n), n)
+
+    def _forward(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, is_causal: bool, cos: Tensor,
+                 sin: Tensor, start: int, real: int, taps: tuple[int, ...], logits_rows: str | Tensor) -> ForwardOutput:
+        """The layers over tokens [n] (the first `real` of them the caller's, the rest bucket
+        padding, whose K/V are zeroed so nothing in them reaches a real row)."""
+        n = tokens.shape[0]
+        total = start + n
         invariant = self.invariant and start > 0  # the prefill is shared by every method: no need
         if invariant:
             span = aligned(total)  # within capacity: capacities are multiples of it
@@ -344,23 +382,25 @@ class Engine:
         hidden: dict[int, Tensor] = {}
         x = F.embedding(tokens, self.embed)[None]  # [1, n, d]
         if 0 in taps:
-            hidden[0] = x[0]
+            hidden[0] = x[0, :real]
         k_cache, v_cache = self.cache.k, self.cache.v
         for i, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, x, cos, sin)
+            if real < n:
+                k[:, :, real:], v[:, :, real:] = 0, 0
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
             if invariant:
                 attn = self.invariant_attention(q, i, span, visible)
             else:
+                keys, values = (k, v) if start == 0 else (k_cache[i, :, :, :total], v_cache[i, :, :, :total])
                 attn = F.scaled_dot_product_attention(
-                    q, k_cache[i, :, :, :total], v_cache[i, :, :, :total], attn_mask=mask,
+                    q, keys, values, attn_mask=mask,
                     is_causal=is_causal, scale=self.scale, enable_gqa=True)
             x = self.attention_output_and_mlp(layer, x, attn)
             if i + 1 in taps and i + 1 < self.num_layers:
-                hidden[i + 1] = x[0]
-        self.cache.length = total
-        x = rms_norm(x, self.final_norm, self.eps)[0]
+                hidden[i + 1] = x[0, :real]
+        x = rms_norm(x[:, :real], self.final_norm, self.eps)[0]
         if self.num_layers in taps:
             hidden[self.num_layers] = x
         if isinstance(logits_rows, str):
@@ -371,7 +411,10 @@ class Engine:
         self._rows_limit = None
         return ForwardOutput(logits=logits, hidden=hidden)
 
-    def prefill(self, tokens: Tensor, taps: tuple[int, ...] = (), logits_rows: str = "last") -> ForwardOutput:
-        """Start a new sequence from `tokens` (the prompt)."""
-        self.reset(capacity=max(1024, 2 * int(tokens.numel())))
+    def prefill(self, tokens: Tensor, taps: tuple[int, ...] = (), logits_rows: str = "last",
+                capacity: int | None = None) -> ForwardOutput:
+        """Start a new sequence from `tokens` (the prompt). `capacity`: the slots the turn will
+        need (prompt, reply and one pass of headroom), so the cache is sized once, not grown
+        inside a round."""
+        self.reset(capacity=capacity or max(1024, 2 * int(tokens.numel())))
         return self.forward(tokens, taps=taps, logits_rows=logits_rows)

@@ -57,39 +57,38 @@ def tree_from_accuracy(rank_accuracy: list[float], nodes: int, max_depth: int = 
 
 
 class _Tree:
-    """Nodes generated while drafting: token, parent (-1 = root), cumulative log-prob,
-    depth, and for nodes run through the head: cache row and output."""
+    """Nodes generated while drafting, in fixed-size device buffers (no host round trip
+    until the finished draft): token, parent (-1 = root), cumulative log-prob (fp64, so
+    sums and ties order as exact host arithmetic would), depth, the node's output, and
+    which of the round's tree rows in the head's cache it sees (its ancestors' and its own)."""
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.scores: list[float] = []
-        self.depths: list[int] = []
-        self.rows: dict[int, int] = {}
-        self.outputs: dict[int, Tensor] = {}
+    def __init__(self, capacity: int, tree_rows: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.size = 0
+        self.rows = 0  # tree rows run through the head so far
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.parents = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.scores = torch.zeros(capacity, dtype=torch.float64, device=device)
+        self.depths = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.outputs = torch.zeros(capacity + 1, width, dtype=dtype, device=device)  # row 0: the root's
+        self.sees = torch.zeros(capacity + 1, tree_rows, dtype=torch.bool, device=device)  # row 0: the root's
 
-    def add(self, token: int, parent: int, score: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.scores.append(score)
-        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        return len(self.tokens) - 1
+    def add(self, tokens: Tensor, parents: Tensor, scores: Tensor) -> Tensor:
+        """Append nodes (tensors [m]); returns their indices."""
+        index = torch.arange(self.size, self.size + len(tokens), device=tokens.device)
+        self.tokens[index], self.parents[index], self.scores[index] = tokens, parents, scores
+        self.depths[index] = torch.where(parents < 0, 1, self.depths[parents.clamp(min=0)] + 1)
+        self.size += len(tokens)
+        return index
 
-    def ancestors(self, node: int) -> list[int]:
-        chain = []
-        while node >= 0:
-            chain.append(node)
-            node = self.parents[node]
-        return chain
-
-    def to_draft(self, keep: list[int]) -> Draft:
-        """Draft of the kept nodes (ancestor-closed), parents before children."""
-        kept = set()
-        for node in keep:
-            kept.update(self.ancestors(node))
-        order = sorted(kept, key=lambda n: (self.depths[n], n))
-        index = {node: i for i, node in enumerate(order)}
-        return Draft([self.tokens[n] for n in order], [index.get(self.parents[n], -1) for n in order])
+    def to_draft(self, keep: Tensor) -> Draft:
+        """Draft of the kept nodes (ancestor-closed), parents before children: one host copy."""
+        order = keep[torch.sort(self.depths[keep] * self.size + keep, stable=True).indices]
+        position = torch.full((self.size,), -1, dtype=torch.long, device=keep.device)
+        position[order] = torch.arange(len(order), device=keep.device)
+        parents = self.parents[order]
+        parents = torch.where(parents < 0, -1, position[parents.clamp(min=0)])
+        tokens, parents = torch.stack([self.tokens[order], parents]).tolist()
+        return Draft(tokens, parents)
 
 
 class EagleDrafter(Drafter):
@@ -142,25 +141,25 @@ class EagleDrafter(Drafter):
         return out[-1]
 
     # --------------------------------------------------------------- tree
-    def _run_nodes(self, tree: _Tree, nodes: list[int], root_out: Tensor) -> Tensor:
+    def _run_nodes(self, tree: _Tree, nodes: Tensor) -> Tensor:
         """Run `nodes` (all of one depth) through the head; returns their log-probs."""
-        tokens = [tree.tokens[n] for n in nodes]
-        embeds = self._embed(tokens)
-        parent_out = torch.stack([root_out if tree.parents[n] < 0 else tree.outputs[tree.parents[n]] for n in nodes])
+        n = len(nodes)
+        embeds = F.embedding(tree.tokens[nodes], self.embed).to(self.dtype)
+        parent_rows = tree.parents[nodes] + 1  # row 0 of outputs / sees: the root
+        parent_out = tree.outputs[parent_rows]
         with torch.inference_mode():
             hidden = parent_out if self.head.config.kind == "eagle3" else self.head.fuse([parent_out], embeds)
             start = self.cache.length
-            visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=hidden.device)
-            visible[:, : self.context_rows] = True
-            for i, node in enumerate(nodes):
-                for ancestor in tree.ancestors(tree.parents[node]):
-                    visible[i, tree.rows[ancestor]] = True
-                visible[i, start + i] = True
-            positions = torch.tensor([self.context_rows - 1 + tree.depths[n] for n in nodes], device=hidden.device)
+            own = torch.arange(tree.rows, tree.rows + n, device=nodes.device)
+            sees = tree.sees[parent_rows]
+            sees[torch.arange(n, device=nodes.device), own] = True
+            tree.sees[nodes + 1] = sees
+            visible = torch.ones(n, start + n, dtype=torch.bool, device=hidden.device)
+            visible[:, self.context_rows:] = sees[:, :start + n - self.context_rows]
+            positions = self.context_rows - 1 + tree.depths[nodes]
             out = self._step_visible(hidden, embeds, positions, visible)
-        for i, node in enumerate(nodes):
-            tree.rows[node] = start + i
-            tree.outputs[node] = out[i]
+        tree.rows += n
+        tree.outputs[nodes + 1] = out
         return self._log_probs(out)[0]
 
     def _step_visible(self, hidden: Tensor, embeds: Tensor, positions: Tensor, visible: Tensor) -> Tensor:
@@ -175,42 +174,49 @@ class EagleDrafter(Drafter):
             return self._static(log_probs[0], vocab, root_out)
         return self._dynamic(log_probs[0], vocab, root_out)
 
+    def _new_tree(self, capacity: int, tree_rows: int, root_out: Tensor) -> _Tree:
+        tree = _Tree(capacity, tree_rows, root_out.shape[-1], root_out.device, root_out.dtype)
+        tree.outputs[0] = root_out
+        return tree
+
     def _dynamic(self, root_log_probs: Tensor, vocab: Tensor, root_out: Tensor) -> Draft:
-        settings = self.tree
-        tree = _Tree()
-        values, ids = root_log_probs.topk(settings.top_k)
-        frontier = [tree.add(int(vocab[i]), -1, float(v)) for v, i in zip(values, ids)]
-        for _ in range(settings.depth - 1):
-            log_probs = self._run_nodes(tree, frontier, root_out)
-            values, ids = log_probs.topk(settings.top_k, dim=-1)
-            candidates = []
-            for row, node in enumerate(frontier):
-                base = tree.scores[node]
-                candidates += [tree.add(int(vocab[i]), node, base + float(v)) for v, i in zip(values[row], ids[row])]
-            frontier = sorted(candidates, key=lambda n: -tree.scores[n])[: settings.top_k]
-        best = sorted(range(len(tree.tokens)), key=lambda n: (-tree.scores[n], n))[: settings.total_token - 1]
+        k, depth = self.tree.top_k, self.tree.depth
+        tree = self._new_tree(k + (depth - 1) * k * k, (depth - 1) * k, root_out)
+        values, ids = root_log_probs.topk(k)
+        frontier = tree.add(vocab[ids], torch.full((k,), -1, device=ids.device), values.double())
+        for _ in range(depth - 1):
+            values, ids = self._run_nodes(tree, frontier).topk(k, dim=-1)
+            scores = (tree.scores[frontier][:, None] + values.double()).reshape(-1)
+            candidates = tree.add(vocab[ids.reshape(-1)], frontier.repeat_interleave(k), scores)
+            frontier = candidates[torch.sort(-scores, stable=True).indices[:k]]
+        best = torch.sort(-tree.scores[:tree.size], stable=True).indices[: self.tree.total_token - 1]
         return tree.to_draft(best)
 
     def _static(self, root_log_probs: Tensor, vocab: Tensor, root_out: Tensor) -> Draft:
+        """The fixed rank paths, level by level: a level's parents run through the head
+        together and each path takes its parent's rank-r child."""
         paths = self.tree.paths
-        tree = _Tree()
+        device = root_out.device
+        widest = [1 + max(p[-1] for p in paths if len(p) == d) for d in range(1, max(map(len, paths)) + 1)]
+        tree = self._new_tree(len(paths), len(paths), root_out)
         node_of: dict[tuple[int, ...], int] = {}
-        ranked = root_log_probs.topk(1 + max(p[0] for p in paths)).indices
-        for path in paths:
-            if len(path) == 1:
-                node_of[path] = tree.add(int(vocab[ranked[path[0]]]), -1, 0.0)
-        depth = 1
-        while True:
+        ranked = root_log_probs.topk(widest[0]).indices
+        level = sorted(p for p in paths if len(p) == 1)
+        tree.add(vocab[ranked[[p[0] for p in level]]], torch.full((len(level),), -1, device=device),
+                         torch.zeros(len(level), dtype=torch.float64, device=device))
+        node_of.update(zip(level, range(len(level))))
+        for depth in range(1, len(widest)):
             parents = sorted({p[:-1] for p in paths if len(p) == depth + 1 and p[:-1] in node_of})
             if not parents:
                 break
-            nodes = [node_of[p] for p in parents]
-            log_probs = self._run_nodes(tree, nodes, root_out)
-            widest = 1 + max(p[-1] for p in paths if len(p) == depth + 1)
-            ranked = log_probs.topk(widest, dim=-1).indices
-            for row, parent in enumerate(parents):
-                for path in paths:
-                    if len(path) == depth + 1 and path[:-1] == parent:
-                        node_of[path] = tree.add(int(vocab[ranked[row, path[-1]]]), node_of[parent], 0.0)
-            depth += 1
-        return tree.to_draft(list(node_of.values()))
+            row_of = {parent: row for row, parent in enumerate(parents)}
+            ranked = self._run_nodes(tree, torch.tensor([node_of[p] for p in parents], device=device)).topk(
+                widest[depth], dim=-1).indices
+            level = sorted(p for p in paths if len(p) == depth + 1 and p[:-1] in node_of)
+            rows = torch.tensor([row_of[p[:-1]] for p in level], device=device)
+            ranks = torch.tensor([p[-1] for p in level], device=device)
+            first = tree.size
+            tree.add(vocab[ranked[rows, ranks]], torch.tensor([node_of[p[:-1]] for p in level], device=device),
+                     torch.zeros(len(level), dtype=torch.float64, device=device))
+            node_of.update(zip(level, range(first, first + len(level))))
+        return tree.to_draft(torch.tensor(sorted(node_of.values()), device=device))
