@@ -234,7 +234,8 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
 @main.command()
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto: bfloat16 where bf16 is native, float32 elsewhere")
 @click.option("--context", type=click.IntRange(min=1), default=512, show_default=True, help="tokens before the pass")
 @click.option("--ks", default="1,2,3,4,6,8,12,16,24,32,48,64", show_default=True, help="chain lengths")
 @click.option("--trees", default="8,16,32,64", show_default=True, help="tree sizes (top-2 trees)")
@@ -242,14 +243,16 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
 @click.option("--drafters", default="trained",
               help="methods whose per-round draft cost to time: 'trained' (every trained method with a drafter), "
                    "a comma list, or 'none'")
+@click.option("--hf/--no-hf", default=True, show_default=True,
+              help="also time transformers' own generate on the same weights and dtype")
 @click.option("--results-dir", default="results", show_default=True)
-def profile(target, device, dtype, context, ks, trees, repeats, drafters, results_dir) -> None:
+def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, results_dir) -> None:
     """Measure the target's verification latency t_v(k) and the drafters' step costs on
     this device, and store them."""
     from pathlib import Path
 
     from bench.core.costs import format_profile, profile_path, verify_latency
-    from bench.core.target import default_device, load_target
+    from bench.core.target import default_device, load_target, resolve_dtype
     from bench.records import provenance
     from bench.run import check_device
 
@@ -265,8 +268,13 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, result
         else [get_method(name.strip()).name for name in drafters.split(",") if name.strip()]
     check_device(device)
     device = device or default_device()
+    dtype = resolve_dtype(dtype, device)
     loaded = load_target(target, device, dtype)
     result = verify_latency(loaded.engine, numbers(ks), context, repeats, tree_sizes=numbers(trees), progress=True)
+    if hf:
+        from bench.core.costs import hf_generate_step
+
+        result["hf_generate"] = hf_generate_step(loaded, context)
     if names:
         from bench.profile import drafter_costs
 
@@ -313,19 +321,35 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
 
 
 @main.command()
-@click.option("--method", required=True, help="a method with a trained drafter (see `bench list`)")
-@click.option("--format", "fmt", required=True, help="published layout: speculators | dflash | eagle | medusa")
-@click.option("--out", "out_dir", required=True, help="new folder to write (must not exist or be empty)")
+@click.option("--method", default=None, help="a method with a trained drafter (see `bench list`); for --format "
+              "specbench, the run's method (or give --run)")
+@click.option("--format", "fmt", required=True,
+              help="published layout: speculators | dflash | eagle | medusa; or specbench: a run's answers")
+@click.option("--out", "out_dir", required=True,
+              help="new folder to write (must not exist or be empty); for specbench, the answer file")
 @click.option("--drafter", default=None, help="drafter folder (default: user-trained, then shipped)")
-@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
-def export(method, fmt, out_dir, drafter, target) -> None:
-    """Write a drafter in a published layout that vLLM / SGLang / the reference code load."""
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id "
+              "(for specbench: the records' target folder name)")
+@click.option("--run", "run_file", default=None, help="specbench: the run's record file (instead of --target, "
+              "--task, --method, --tag)")
+@click.option("--task", default=None, help="specbench: the run's task (folder name under results/<target>/)")
+@click.option("--tag", default=None, help="specbench: the run's tag")
+@click.option("--results-dir", default="results", show_default=True, help="specbench: folder of run records")
+@click.option("--baseline-out", default=None,
+              help="specbench: the AR baseline's answer file (default: <out stem>-baseline.jsonl beside --out)")
+def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_dir, baseline_out) -> None:
+    """Write a drafter in a published layout that vLLM / SGLang / the reference code load, or
+    (--format specbench) a run's answers and its AR baseline's as Spec-Bench answer files."""
     import importlib
     from pathlib import Path
 
     from bench.core.target import load_target
     from bench.registry import get_method
 
+    if fmt == "specbench" or run_file or task:
+        return _export_answers(fmt, run_file, target, task, method, tag, results_dir, out_dir, baseline_out)
+    if method is None:
+        raise BenchError("--method is needed to export a drafter")
     module = importlib.import_module(get_method(method).module)
     formats = getattr(module, "EXPORT_FORMATS", ())
     if fmt not in formats:
@@ -336,6 +360,57 @@ def export(method, fmt, out_dir, drafter, target) -> None:
     loaded = load_target(target, "cpu", "float32")
     written = module.export(loaded, drafter, fmt, out)
     click.echo(f"exported {method} ({fmt} layout): {written}")
+
+
+def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, baseline_out) -> None:
+    from pathlib import Path
+
+    from bench.records import records_path
+    from bench.specbench import check_format, export_run
+
+    check_format(fmt)
+    if run_file is None:
+        from bench.core.target import DEFAULT_TARGET
+
+        if not (task and method):
+            raise BenchError("give the run: --run FILE, or --task and --method (with --target, --tag)")
+        run_file = records_path(Path(results_dir), target or DEFAULT_TARGET, task, method, tag)
+    result = export_run(Path(run_file), Path(out), Path(baseline_out) if baseline_out else None)
+    for problem in result.problems:
+        click.echo(f"{problem.kind}: {problem.where}: {problem.detail}", err=True)
+    click.echo(f"exported {result.questions} questions ({result.turns} turns; {result.left_out} turns without "
+               f"their pair left out): {', '.join(map(str, result.files))}")
+    if result.speed is not None:
+        speed = result.speed
+        click.echo(f"Spec-Bench's speed.py convention on these files: {speed.tokens_per_s:.2f} tok/s vs "
+                   f"{speed.baseline_tokens_per_s:.2f} baseline, speedup {speed.speedup:.3f}x (ratio of mean "
+                   f"per-question tok/s), mean accepted tokens {speed.mean_accepted:.2f}")
+
+
+@main.command(name="import")
+@click.argument("source")
+@click.option("--format", "fmt", required=True, help="the file's format: specbench (a model_answer .jsonl)")
+@click.option("--target", required=True, help="records' target folder name (results/<target>/)")
+@click.option("--task", required=True, help="records' task folder name (e.g. specbench, mtbench)")
+@click.option("--method", required=True, help="method name for the records (import a baseline as ar)")
+@click.option("--tag", default=None, help="record series (a new file; existing records are never overwritten)")
+@click.option("--results-dir", default="results", show_default=True)
+def import_cmd(source, fmt, target, task, method, tag, results_dir) -> None:
+    """Read another harness's answer file into run records that `bench report` shows; what
+    the file does not say (token ids, TTFT, draft and verify times) is recorded as null."""
+    from pathlib import Path
+
+    from bench.specbench import check_format, import_answers
+
+    check_format(fmt)
+    result = import_answers(Path(source), Path(results_dir), target, task, method, tag)
+    notes = []
+    if result.unsplit:
+        notes.append(f"{result.unsplit} questions' accept lengths not split into turns (left out of τ)")
+    if result.extra_choices:
+        notes.append(f"{result.extra_choices} questions have several choices: choice 0 taken, as speed.py does")
+    click.echo(f"imported {result.questions} questions ({result.turns} turns) into {result.path}"
+               + (f"; {'; '.join(notes)}" if notes else ""))
 
 
 @main.command(name="list")

@@ -158,7 +158,8 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
 <p class="note">Generated {_e(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))} by <code>bench report</code>
 at commit {_e(git_sha()[:12])}. Every number in the tables and figures is computed from the run records listed
 under <a href="#runs">Runs</a>; speedups are ratios of sums against the AR baseline of the same tag with a 95%
-bootstrap interval over paired turns. Sample sizes (AR turns per task): {_e(sizes)}.
+bootstrap interval over paired turns; "speedup (Spec-Bench)" is Spec-Bench's convention over the same turns, the
+ratio of mean per-question tok/s. Sample sizes (AR turns per task): {_e(sizes)}.
 {len(records.problems)} problem(s) listed under <a href="#missing">Missing and partial</a>.</p>
 <nav>{nav}</nav>
 {body}

@@ -10,6 +10,9 @@
   speedup model τ · t0 / (t_d + t_v) from the measured per-round times.
 - Repeats (`bench run --repeats`): a turn pairs with the baseline turn of its own repeat;
   pooled figures pool the repeats, and the speedup of each repeat is kept for its spread.
+- Imported turns (bench.specbench) lack some fields (null: bench.records.IMPORTED_UNKNOWN);
+  each figure is computed over the turns that have what it needs, and tokens and time fall
+  back to the file's `new_tokens` and `wall_time`.
 """
 
 from __future__ import annotations
@@ -18,16 +21,30 @@ import random
 from collections import Counter
 
 
+def known(turns: list[dict], *fields: str) -> list[dict]:
+    """The turns that recorded every one of `fields` (an imported turn may hold null)."""
+    return [t for t in turns if all(t.get(f) is not None for f in fields)]
+
+
+def new_tokens(turn: dict) -> int:
+    return len(turn["tokens"]) if turn["tokens"] is not None else turn["new_tokens"]
+
+
 def _rounds(turns: list[dict]) -> tuple[list[int], list[int]]:
+    """(proposed, accepted) per round, over the turns that recorded both."""
     proposed, accepted = [], []
-    for turn in turns:
+    for turn in known(turns, "proposed_lengths", "accept_lengths"):
         proposed += turn["proposed_lengths"]
         accepted += turn["accept_lengths"]
     return proposed, accepted
 
 
+def _accepted(turns: list[dict]) -> list[int]:
+    return [a for turn in known(turns, "accept_lengths") for a in turn["accept_lengths"]]
+
+
 def tau(turns: list[dict]) -> float:
-    _, accepted = _rounds(turns)
+    accepted = _accepted(turns)
     return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
 
 
@@ -53,37 +70,43 @@ def acceptance_conditional(turns: list[dict]) -> list[float]:
 
 def accept_histogram(turns: list[dict]) -> dict[int, int]:
     """Counts of τ_r = n_r + 1 over rounds."""
-    _, accepted = _rounds(turns)
+    accepted = _accepted(turns)
     return dict(sorted(Counter(a + 1 for a in accepted).items()))
 
 
 def draft_efficiency(turns: list[dict]) -> float:
     """Accepted draft tokens per verified draft node."""
+    turns = known(turns, "accept_lengths", "tree_sizes")
     accepted = sum(sum(t["accept_lengths"]) for t in turns)
     verified = sum(sum(t["tree_sizes"]) for t in turns)
     return accepted / verified if verified else float("nan")
 
 
 def total_time(turn: dict) -> float:
+    if turn["ttft"] is None or turn["decode_time"] is None:
+        return turn["wall_time"]  # an imported turn: its file's whole time of the turn
     return turn["ttft"] + turn["decode_time"]
 
 
 def tokens_per_second(turns: list[dict]) -> float:
     seconds = sum(total_time(t) for t in turns)
-    return sum(len(t["tokens"]) for t in turns) / seconds if seconds else float("nan")
+    return sum(new_tokens(t) for t in turns) / seconds if seconds else float("nan")
 
 
 def mean_ttft(turns: list[dict]) -> float:
+    turns = known(turns, "ttft")
     return sum(t["ttft"] for t in turns) / len(turns) if turns else float("nan")
 
 
 def tpot(turns: list[dict]) -> float:
     """Time per output token after the first, pooled over turns."""
-    steps = sum(len(t["tokens"]) - 1 for t in turns)
+    turns = known(turns, "decode_time")
+    steps = sum(new_tokens(t) - 1 for t in turns)
     return sum(t["decode_time"] for t in turns) / steps if steps else float("nan")
 
 
 def draft_time_per_round(turns: list[dict]) -> float:
+    turns = known(turns, "draft_time", "accept_lengths")
     rounds = sum(len(t["accept_lengths"]) for t in turns)
     return sum(t["draft_time"] for t in turns) / rounds if rounds else float("nan")
 
@@ -100,8 +123,8 @@ def paired(method: list[dict], base: list[dict]) -> tuple[list[dict], list[dict]
 
 
 def _ratio_of_sums(method: list[dict], base: list[dict]) -> float:
-    base_rate = sum(total_time(t) for t in base) / max(1, sum(len(t["tokens"]) for t in base))
-    rate = sum(total_time(t) for t in method) / max(1, sum(len(t["tokens"]) for t in method))
+    base_rate = sum(total_time(t) for t in base) / max(1, sum(new_tokens(t) for t in base))
+    rate = sum(total_time(t) for t in method) / max(1, sum(new_tokens(t) for t in method))
     return base_rate / rate if rate else float("nan")
 
 
@@ -147,6 +170,7 @@ def modelled_speedup(method: list[dict], base: list[dict]) -> float:
     method's mean draft and verification time per round. Next to the measured speedup it
     tells whether a shortfall is acceptance (τ) or cost (t_d, t_v)."""
     method, base = paired(method, base)
+    method, base = (known(turns, "accept_lengths", "draft_time", "verify_time") for turns in (method, base))
     base_rounds = sum(len(t["accept_lengths"]) for t in base)
     rounds = sum(len(t["accept_lengths"]) for t in method)
     if not base_rounds or not rounds:
@@ -166,7 +190,7 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
     row = {
         "turns": len(method),
         "repeats": len({t.get("repeat", 1) for t in method}),
-        "new_tokens": sum(len(t["tokens"]) for t in method),
+        "new_tokens": sum(new_tokens(t) for t in method),
         "tau": tau(method),
         "accept_uncond": acceptance_unconditional(method),
         "accept_cond": acceptance_conditional(method),

@@ -162,7 +162,17 @@ OPTIONAL_SCHEMA = {
     "near_tie": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "first_divergence": (lambda v: v is None or _int(v), "an integer or null"),
     "divergence_margin": (_number_or_none, "a number or null"),
+    "imported_from": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "wall_time": (_seconds, "seconds (a finite number >= 0)"),
 }
+
+# A turn imported from another harness's answer file (bench.specbench; it says `imported_from`)
+# holds what that file says and nothing invented: these fields may be null there. Such a file
+# gives a turn's token count and its whole time, so `new_tokens` stands in for the token ids
+# and `wall_time` for TTFT + decode time (bench.metrics.new_tokens, total_time).
+IMPORTED_UNKNOWN = ("prompt_hash", "tokens", "ttft", "decode_time", "draft_time", "verify_time",
+                    "proposed_lengths", "accept_lengths", "tree_sizes")
 
 
 def turn_problem(record: dict) -> str | None:
@@ -170,8 +180,14 @@ def turn_problem(record: dict) -> str | None:
     missing = [k for k in TURN_SCHEMA if k not in record]
     if missing:
         return f"missing {', '.join(missing)}"
+    imported = "imported_from" in record
+    unknown = {k for k in IMPORTED_UNKNOWN if imported and record[k] is None}
     wrong = [f"{k} is not {what}" for schema in (TURN_SCHEMA, OPTIONAL_SCHEMA) for k, (ok, what) in schema.items()
-             if k in record and not ok(record[k])]
+             if k in record and k not in unknown and not ok(record[k])]
+    if "tokens" in unknown and "new_tokens" not in record:
+        wrong.append("tokens is null without new_tokens")
+    if unknown & {"ttft", "decode_time"} and "wall_time" not in record:
+        wrong.append("ttft or decode_time is null without wall_time")
     return "; ".join(wrong) or None
 
 

@@ -44,6 +44,8 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
     note = (f"\n\nRecords: tag(s) {series} (`{command}`). Sample sizes (AR turns per task): {sizes}. Speedup: "
             "ratio of sums against the AR baseline of the same tag and pass, 95% bootstrap interval over paired "
             "turns; where a task has several passes, \"speedup over repeats\" is the median [min, max] of the passes. "
+            "\"speedup (Spec-Bench)\": Spec-Bench's convention (its evaluation/speed.py), the ratio of mean "
+            "per-question tok/s over the same turns (bench/specbench.py). "
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\".")
     refs = references_table(load_references())
     return {"report": to_markdown(display_table(tables.overall)) + note,

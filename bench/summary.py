@@ -33,9 +33,10 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
             if not turns:  # every file left out: the warnings say why
                 continue
             row = metrics.summarize(turns, base)
-            rounds = sum(len(t["accept_lengths"]) for t in turns)
+            sized = metrics.known(turns, "accept_lengths", "tree_sizes")  # imported turns may lack them
+            rounds = sum(len(t["accept_lengths"]) for t in sized)
             rows.append({"task": task_dir.name, "method": method, **row,
-                         "nodes_per_round": sum(sum(t["tree_sizes"]) for t in turns) / rounds if rounds else 0.0,
+                         "nodes_per_round": sum(sum(t["tree_sizes"]) for t in sized) / rounds if rounds else 0.0,
                          "verified_per_accepted": nodes_per_accepted(turns),
                          "contended": _contended(turns) + _contended(base)})
     return rows
@@ -71,6 +72,7 @@ def _turns(files: list[tuple[int, Path]]) -> list[dict]:
 
 def nodes_per_accepted(turns: list[dict]) -> float:
     """Draft tokens verified per accepted draft token (the inverse of draft efficiency)."""
+    turns = metrics.known(turns, "accept_lengths", "tree_sizes")
     accepted = sum(sum(t["accept_lengths"]) for t in turns)
     return sum(sum(t["tree_sizes"]) for t in turns) / accepted if accepted else float("nan")
 

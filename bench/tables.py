@@ -29,6 +29,7 @@ import pandas as pd
 from bench import metrics
 from bench.core.errors import BenchError
 from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run
+from bench.specbench import speedup_specbench
 
 CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
 
@@ -48,14 +49,15 @@ class Records:
         for run in self.runs:
             for record in run.pooled:
                 util = record.get("utilization") or {}
-                rounds = len(record["accept_lengths"])
+                accepted = record["accept_lengths"]  # null in an imported turn that could not split them
+                rounds = len(accepted) if accepted is not None else math.nan
                 rows.append({"target": run.target, "task": run.task, "tag": run.tag, "method": run.method,
                              "repeat": run.repeat, "question_id": record["question_id"].split("/", 1)[1],
                              "category": record.get("category", ""), "turn": record["turn"],
-                             "tokens": len(record["tokens"]), "ttft_s": record["ttft"],
+                             "tokens": metrics.new_tokens(record), "ttft_s": record["ttft"],
                              "decode_s": record["decode_time"], "draft_s": record["draft_time"],
                              "verify_s": record["verify_time"], "rounds": rounds,
-                             "tau": (sum(record["accept_lengths"]) + rounds) / rounds if rounds else math.nan,
+                             "tau": (sum(accepted) + rounds) / rounds if accepted else math.nan,
                              "exact_match": record.get("exact_match"), "near_tie": record.get("near_tie"),
                              "util_kind": util.get("kind"), "util_mean": util.get("util_mean")})
         return pd.DataFrame(rows)
@@ -245,6 +247,7 @@ def _util(turns: list[dict], kind: str) -> float:
 
 
 def _per_round(turns: list[dict], key: str) -> float:
+    turns = metrics.known(turns, key, "accept_lengths")
     rounds = sum(len(t["accept_lengths"]) for t in turns)
     return sum(t[key] for t in turns) / rounds if rounds else float("nan")
 
@@ -253,9 +256,12 @@ def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
     """bench.metrics.summarize (τ, a_i, speedup with its interval, the speedup model) plus
     the columns a report adds: draft budget, verify time per round, utilization."""
     row = metrics.summarize(method, base if base else None)
-    rounds = sum(len(t["tree_sizes"]) for t in method)
+    if base:  # beside ours, the other convention (bench.specbench): ratio of mean per-question tok/s
+        row["speedup_specbench"] = speedup_specbench(method, base)
+    sized = metrics.known(method, "tree_sizes")
+    rounds = sum(len(t["tree_sizes"]) for t in sized)
     row.update(questions=len({t["question_id"] for t in method}),
-               tree_size=sum(sum(t["tree_sizes"]) for t in method) / rounds if rounds else float("nan"),
+               tree_size=sum(sum(t["tree_sizes"]) for t in sized) / rounds if rounds else float("nan"),
                verify_s_per_round=_per_round(method, "verify_time"),
                gpu_util=_util(method, "gpu"), cpu_util=_util(method, "cpu"))
     return row
@@ -349,6 +355,10 @@ def display_table(frame: pd.DataFrame) -> pd.DataFrame:
             row["speedup [95% CI]"] = "- (no baseline)"
         if show_repeats:
             row["speedup over repeats"] = _repeat_spread(r.get("speedup_repeats"), r["method"])
+        # Spec-Bench's convention (bench.specbench): the ratio of mean per-question tok/s, same turns.
+        specbench = _num(r.get("speedup_specbench", math.nan), ".2f")
+        row["speedup (Spec-Bench)"] = "1 (baseline)" if r["method"] == BASELINE else \
+            specbench + ("x" if specbench != "-" else "")
         row["tok/s"] = _num(r["tokens_per_s"], ".1f")
         row["TTFT ms"] = _num(r["ttft_s"], ".0f", 1e3)
         row["TPOT ms"] = _num(r["tpot_s"], ".1f", 1e3)

@@ -41,12 +41,13 @@ def test_bench_profile_stores_a_record(tmp_path, one_thread):
 
     result = CliRunner().invoke(main, ["profile", "--drafters", "pld,nosuch_x", "--results-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown method 'nosuch_x'" in result.output
-    result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--ks", "1,3", "--trees", "5", "--repeats", "2",
+    result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--dtype", "float32", "--ks", "1,3", "--trees", "5", "--repeats", "2",
                                        "--context", "16", "--drafters", "pld", "--results-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "smollm2-135m" / "profile" / "cpu-float32.json").read_text())
     assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
-    assert record["fingerprint"] and record["context"] == 16
+    assert record["fingerprint"] and record["context"] == 16 and record["hf_generate"]["step_s"] > 0
+    assert "transformers.generate" in result.output
     [pld] = record["drafters"]
     assert pld["method"] == "pld" and pld["rounds"] > 0 and pld["verify_ms_per_round"] > 0
     bad = CliRunner().invoke(main, ["profile", "--ks", "1,x"])
@@ -106,3 +107,14 @@ def test_stored_chain_costs_only_from_this_machine(tmp_path, monkeypatch):
     (tmp_path / "elsewhere.json").write_text(json.dumps({"fingerprint": "f1", "dtype": "float32", "rows": rows,
                                                          "provenance": provenance}))
     assert stored_chain_costs(target, 4, tmp_path / "elsewhere.json") == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])
+
+
+def test_hf_generate_step_is_timed_on_the_same_weights_and_reported(default_target, one_thread):
+    from bench.core.costs import hf_generate_step
+
+    hf = hf_generate_step(default_target, context=16, new_tokens=4, repeats=1)
+    assert hf["step_s"] > 0 and hf["new_tokens"] == 4
+    profile = verify_latency(default_target.engine, ks=(1,), context=16, repeats=2, warmup=1)
+    profile["hf_generate"] = hf
+    ratio = hf["step_s"] / profile["rows"][0]["median_s"]
+    assert f"{ratio:.2f}x faster" in format_profile(profile)
