@@ -20,7 +20,8 @@ the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every spee
 has its spread over passes; already recorded passes are skipped like any finished cell.
 `--remeasure-contended`: a method's records with turns that shared the CPU with another job
 (bench.report.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
-reports) and the cell runs again.
+reports) and the cell runs again. `--ray auto|ADDRESS`: the cells run as tasks on a Ray cluster
+(bench.grid_ray); this process still plans them and writes every file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import click
@@ -132,9 +134,10 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "auto", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
-             budget: int | None = None) -> list[Cell]:
+             budget: int | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
-    `budget`: every method's --budget (draft tokens verified per round)."""
+    `budget`: every method's --budget (draft tokens verified per round). `ray`: a Ray cluster's
+    address (or auto) to run the cells on, `ray_cpus_per_cell` cores each on CPU (bench.grid_ray)."""
     from bench.core.provenance import git_sha
     from bench.core.target import load_target
     from bench.registry import build_decoder, resolve_options
@@ -144,6 +147,10 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     for method in methods:
         resolve_options(method, {}, budget)  # a typo, or a budget a method cannot take, fails before anything loads
     check_device(device)
+    if ray:
+        from bench.grid_ray import CellJob, RayCells, check_address
+
+        ray = check_address(ray)  # a dead address fails here, before anything loads or is written
     from bench.core.target import default_device, resolve_dtype
 
     dtype = resolve_dtype(dtype, device or default_device())  # the grid's settings keep what ran
@@ -158,6 +165,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     # beside this one on other tasks) said of the rest: the manifest is re-read under a lock
     # at every save.
     touched = {(task_name(task), m, r) for task in plan for m in [*methods, BASELINE] for r in range(1, repeats + 1)}
+    cluster = RayCells(ray, device or default_device(), ray_cpus_per_cell) if ray and not dry_run else None
+    baselines: list[tuple[Cell, set, Path]] = []  # each baseline row, its turns and its file
 
     def save() -> None:
         if dry_run:
@@ -206,29 +215,52 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             if remeasure_contended and not dry_run and (slow := set_aside_if_contended(method_path)):
                 echo(f"[grid] {method} on {name}: {slow} contended turns; {method_path.name} set aside, run again")
             if keys <= _done_keys(method_path) and keys <= _done_keys(base_path):
-                cell.status = "up to date (skipped)"
+                status = "up to date (skipped)"
             elif dry_run:
-                cell.status = "to run"
+                status = "to run"
+            elif cluster is not None:  # runs later, on a worker; its status when it is back
+                echo(f"[grid] {method} on {name} -> {method_path} (queued on Ray)")
+                cell.status = "queued"
+                cluster.submit(CellJob(settings, questions, {method: method_path, BASELINE: base_path},
+                                       {method: wanted, BASELINE: base_wanted}),
+                               partial(finish, cell, keys, method_path))
+                continue
             else:
                 echo(f"[grid] {method} on {name} -> {method_path}")
                 try:
                     run(settings)
-                    cell.status = "ran"
+                    status = "ran"
                 except BenchError as exc:  # bad input for this cell: say so, keep going
-                    cell.status = f"failed: {exc}"
-            cell.turns = len(keys & _done_keys(method_path))
-            echo(f"[grid] {method} on {name}: {cell.status} ({cell.turns}/{len(keys)} turns, tag {cell.records})")
-            save()
+                    status = f"failed: {exc}"
+            finish(cell, keys, method_path, status)
         for base_tag in sorted(base_tags):
             _, base_path = cell_paths(results_dir, target.name, name, BASELINE, base_tag)
-            done = len(keys & _done_keys(base_path))
-            status = "baseline" if done == len(keys) else "baseline, to run" if dry_run else "baseline, partial"
-            cells.append(Cell(name, BASELINE, status, base_tag, repeat=repeat, expected_turns=len(keys), turns=done))
+            cells.append(Cell(name, BASELINE, records=base_tag, repeat=repeat, expected_turns=len(keys)))
+            baselines.append((cells[-1], keys, base_path))
+            count_baseline(*baselines[-1])
         save()
 
-    for repeat in range(1, repeats + 1):
-        for task, selection in plan.items():
-            _run_task_cells(task, selection, repeat)
+    def finish(cell: Cell, keys: set, method_path: Path, status: str) -> None:
+        cell.status, cell.turns = status, len(keys & _done_keys(method_path))
+        echo(f"[grid] {cell.method} on {cell.task}: {cell.status} ({cell.turns}/{len(keys)} turns, tag {cell.records})")
+        save()
+
+    def count_baseline(cell: Cell, keys: set, base_path: Path) -> None:
+        cell.turns = len(keys & _done_keys(base_path))
+        cell.status = "baseline" if cell.turns == len(keys) else "baseline, to run" if dry_run else "baseline, partial"
+
+    try:
+        for repeat in range(1, repeats + 1):
+            for task, selection in plan.items():
+                _run_task_cells(task, selection, repeat)
+        if cluster is not None:
+            cluster.run()
+            for row in baselines:
+                count_baseline(*row)
+            save()
+    finally:
+        if cluster is not None:
+            cluster.close()
     return cells
 
 
@@ -251,9 +283,14 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="set aside a method's records with turns that shared the CPU with another job, and run it again")
 @click.option("--budget", type=click.IntRange(min=1), default=None,
               help="every method's draft tokens verified per round (bench run --budget); use its own --tag")
+@click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS",
+              help="run the cells as tasks on this Ray cluster (auto: the one `ray start` started here); "
+                   "their records come back here")
+@click.option("--ray-cpus-per-cell", type=click.IntRange(min=1), default=None,
+              help="with --ray: cores (and torch threads) per cell (default: this process's torch threads; 1 on CUDA)")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         repeats, remeasure_contended, budget, dry_run) -> None:
+         repeats, remeasure_contended, budget, ray_address, ray_cpus_per_cell, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         check_tag(tag, revision_ok=False)
@@ -265,7 +302,8 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
-                         repeats=repeats, remeasure_contended=remeasure_contended, budget=budget)
+                         repeats=repeats, remeasure_contended=remeasure_contended, budget=budget, ray=ray_address,
+                         ray_cpus_per_cell=ray_cpus_per_cell)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -246,15 +247,20 @@ class RunFile:
     the process ends, so two runs can share a finished file (two grids reading one AR
     baseline) but never both append the same turns."""
 
-    def __init__(self, path: Path, settings: dict | None = None, device: str = "cpu") -> None:
+    def __init__(self, path: Path, settings: dict | None = None, device: str = "cpu",
+                 sink: Callable[[list[dict]], None] | None = None, content: bytes = b"") -> None:
+        """`sink`: where written lines go instead of the file, which is then neither read
+        nor locked: its `content` is what another process (bench.grid_ray's driver, which
+        holds the lock) read from it, and that process appends the lines (add_lines)."""
         self.path = Path(path)
         self.target, self.task = self.path.parent.parent.name, self.path.parent.name
         # Compare settings as they read back from JSON (tuples become lists, keys strings).
         self._wanted = None if settings is None else json.loads(json.dumps(settings))
         self._device = device
+        self._sink, self._content = sink, content
         self._claimed = False
         self._header_due = True  # an invocation's header goes in with its first turn
-        if self._wanted is not None:
+        if self._wanted is not None and sink is None:
             try:  # fail before any decoding when the results cannot be written
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -326,7 +332,7 @@ class RunFile:
         self.__dict__.pop("pooled", None)
         self.__dict__.pop("method", None)
         try:
-            raw = self.path.read_bytes()
+            raw = self._content if self._sink is not None else self.path.read_bytes()
         except FileNotFoundError:
             if missing_ok:
                 return
@@ -409,13 +415,18 @@ class RunFile:
         before the lock, so no turn is decoded or written twice."""
         if self._claimed:
             return
+        if self._sink is not None:  # the process that appends a sink's lines holds the file
+            self._claimed = self._header_due = True
+            return
         _lock(self.path)
         self._claimed = True
         self._read(repair=True, missing_ok=True)
         self._check_settings()
         self._header_due = True
 
-    def add_turn(self, record: dict) -> None:
+    def add_turn(self, record: dict, header_provenance: dict | None = None) -> None:
+        """Record a finished turn (and, first, the invocation's header: `header_provenance`
+        when another process decoded it, else this one's)."""
         if self._wanted is None:
             raise BenchError(f"{self.path} was opened for reading only")
         self.claim()
@@ -429,8 +440,9 @@ class RunFile:
                              "it twice")
         lines = [record]
         if self._header_due:  # every invocation that writes leaves its provenance before its turns
-            lines.insert(0, {"type": "header", "settings": self._wanted, "provenance": provenance(self._device)})
-        self._append(lines)
+            lines.insert(0, {"type": "header", "settings": self._wanted,
+                             "provenance": header_provenance or provenance(self._device)})
+        (self._sink or self._append)(lines)
         self._header_due = False
         if len(lines) == 2:
             self.headers.append(lines[0])
@@ -438,6 +450,20 @@ class RunFile:
         self._threads[key] = self._header_threads()
         self.turns.append(record)
         self.__dict__.pop("pooled", None)
+
+    def add_lines(self, lines: list[dict]) -> None:
+        """Append what another process's sink received (headers, each followed by its turns)
+        as if decoded here: each header must carry this run's settings, and its provenance
+        heads its turns in the file."""
+        header = None
+        for line in lines:
+            if line.get("type") == "header":
+                if json.loads(json.dumps(line.get("settings"))) != self._wanted:
+                    raise BenchError(f"{self.path}: the turns came back recorded with other settings than this "
+                                     "run's; not appending them")
+                header, self._header_due = line, True
+            else:
+                self.add_turn(line, header and header.get("provenance"))
 
     def _append(self, records: list[dict]) -> None:
         """Whole lines or nothing: one write, fsync'd; on a failure the file is cut back."""

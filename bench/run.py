@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -230,11 +232,11 @@ def run(settings: RunSettings, repeats: int = 1) -> dict:
 
 def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     """One interleaved pass over the task: {side: (its finished turns, its record file)}."""
-    from bench.core.target import load_target, parse_dtype, resolve_target
-    from bench.registry import build_decoder, resolve_options
+    from bench.core.target import parse_dtype, resolve_target
+    from bench.registry import resolve_options
 
     # Fail fast on a typo, a bad option or budget, before loading anything.
-    options = resolve_options(settings.method, settings.method_options, settings.budget)
+    resolve_options(settings.method, settings.method_options, settings.budget)
     check_device(settings.device)
     check_sampling(settings.sampling)
     check_tag(settings.tag)
@@ -249,21 +251,39 @@ def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     for name in {settings.method, *([BASELINE] if settings.baseline else [])}:
         lock_unfinished(records_path(results_dir, resolve_target(settings.target)[0], task, name,
                                      settings.records_tag), keys)
+    return decode_pass(settings, questions)
+
+
+Sink = Callable[[str, list[dict]], None]  # (side, lines a record file would have appended)
+
+
+def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | None = None,
+                recorded: dict[str, bytes] | None = None) -> dict[str, tuple[list[dict], str]]:
+    """Load the target and decode, interleaved, every turn of `questions` that the records
+    lack; returns {side: (its finished turns, its record file)}. The records are the files
+    under settings.results_dir; with a `sink` (bench.grid_ray's workers, which see no results
+    folder) they are `recorded[side]`, the files' contents as read by whoever holds them, and
+    new lines go to the sink instead."""
+    from bench.core.target import load_target
+    from bench.registry import build_decoder, resolve_options
+
     target = load_target(settings.target, settings.device, settings.dtype)
     config = DecodeConfig(max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                           eos_token_ids=tuple(target.eos_token_ids))
-    decoder = build_decoder(settings.method, target, options)
-    path = records_path(results_dir, target.name, task, settings.method, settings.records_tag)
-    method_side = Side(settings.method, decoder,
-                       RunFile(path, record_settings(settings, settings.method, target, decoder),
-                               str(target.engine.device)))
+    results_dir, task = Path(settings.results_dir), task_name(settings.task)
+    keys = {(q.question_id, t) for q in questions for t in range(1, len(q.turns) + 1)}
+
+    def open_side(name: str, decoder) -> Side:
+        path = records_path(results_dir, target.name, task, name, settings.records_tag)
+        return Side(name, decoder, RunFile(path, record_settings(settings, name, target, decoder),
+                                           str(target.engine.device), sink=partial(sink, name) if sink else None,
+                                           content=(recorded or {}).get(name, b"")))
+
+    options = resolve_options(settings.method, settings.method_options, settings.budget)
+    method_side = open_side(settings.method, build_decoder(settings.method, target, options))
     baseline_side = None
     if settings.baseline and settings.method != BASELINE:
-        base_decoder = build_decoder(BASELINE, target)
-        base_path = records_path(results_dir, target.name, task, BASELINE, settings.records_tag)
-        baseline_side = Side(BASELINE, base_decoder,
-                             RunFile(base_path, record_settings(settings, BASELINE, target, base_decoder),
-                                     str(target.engine.device)))
+        baseline_side = open_side(BASELINE, build_decoder(BASELINE, target))
     sides = [s for s in (baseline_side, method_side) if s is not None]
     for question in questions:  # every first turn that will run fits the context (later turns: Side.answer)
         if any(side.records.done(question.question_id, 1) is None for side in sides):

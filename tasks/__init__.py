@@ -174,8 +174,8 @@ def task_name(task: str) -> str:
         return task
     try:
         digest = hashlib.sha256(Path(task).read_bytes()).hexdigest()[:8]
-    except OSError:
-        return Path(task).stem  # no such file: load_task says so
+    except OSError:  # no such file (load_task says so), or a recorded name (bench.grid_ray's workers)
+        return Path(task).name.removesuffix(".jsonl")
     return f"{Path(task).stem}-{digest}"
 
 

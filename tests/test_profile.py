@@ -41,8 +41,9 @@ def test_bench_profile_stores_a_record(tmp_path, one_thread):
 
     result = CliRunner().invoke(main, ["profile", "--drafters", "pld,nosuch_x", "--results-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown method 'nosuch_x'" in result.output
-    result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--dtype", "float32", "--ks", "1,3", "--trees", "5", "--repeats", "2",
-                                       "--context", "16", "--drafters", "pld", "--results-dir", str(tmp_path)])
+    result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--dtype", "float32", "--ks", "1,3", "--trees",
+                                       "5", "--repeats", "2", "--context", "16", "--drafters", "pld",
+                                       "--results-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "smollm2-135m" / "profile" / "cpu-float32.json").read_text())
     assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
