@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep load-sweep clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -44,11 +44,14 @@ report: $(STAMP)
 # report, README.md's headline table and results/README.md's tables. Default: a sample of each
 # suite (bench/grid.py states the sizes, a few hours on 2 CPU cores); FULL=1: every question,
 # 256 new tokens, tag `full`; REPEATS=N: N whole passes (pass k > 1 under tag `grid.rep<k>`), so
-# each speedup has its spread over passes.
+# each speedup has its spread over passes. Then the sampled series: every method at temperature 1
+# (tag `grid-t1`, report in plots/sampled/).
 GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 REPEATS ?= 1
 all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --repeats $(REPEATS)
+	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --temperature 1   # the sampled series, tag $(GRID_TAG)-t1
+	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
@@ -82,6 +85,19 @@ budget-sweep: $(STAMP)
 	  $(BIN)/bench run --task humaneval --limit $(BUDGET_LIMIT) --max-new-tokens $(BUDGET_TOKENS) \
 	    --tag budget$$k --method $$m --budget $$k || exit 1; done; done
 	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
+
+# Issue-16 load figure: methods at batch sizes LOAD_BATCHES (bench run --batch-size, the AR baseline at
+# the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions; then plots/load/report.html
+# (figure `load`: speedup and total throughput against batch size).
+LOAD_BATCHES ?= 1 2 4 8
+LOAD_METHODS ?= pld eagle3 dflash ddtree
+LOAD_LIMIT ?= 8
+LOAD_TOKENS ?= 128
+load-sweep: $(STAMP)
+	for b in $(LOAD_BATCHES); do for m in $(LOAD_METHODS); do \
+	  $(BIN)/bench run --task mtbench --limit $(LOAD_LIMIT) --max-new-tokens $(LOAD_TOKENS) \
+	    --batch-size $$b --tag load$$b --method $$m || exit 1; done; done
+	$(BIN)/bench report --task mtbench $(foreach b,$(LOAD_BATCHES),--tag load$(b)) --out plots/load
 
 # Issue-15 "speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
 # its drafts replaced by the AR baseline's own tokens at per-node acceptance a in ORACLE_ACCEPTS

@@ -90,8 +90,12 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="whole interleaved passes (method and baseline again); pass k > 1 is tag <tag>.rep<k>, "
                    "and the speedup is given per pass with its spread")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests decoding at once (one target pass per round verifies every request's draft; "
+                   "continuous batching); the baseline runs at the same batch size")
 def run(method, task, target, limit, per_category, categories, max_new_tokens, temperature, top_k, top_p, seed,
-        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, budget, drafter, repeats) -> None:
+        device, dtype, tag, data_dir, results_dir, no_baseline, strict, options, budget, drafter, repeats,
+        batch_size) -> None:
     """Decode a task suite with one method; write records; print tau, a_i, speedup."""
     from bench.run import RunSettings, format_summary
     from bench.run import run as run_task
@@ -100,7 +104,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
         method=method, task=task, target=target, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype,
         limit=limit, per_category=per_category, categories=tuple(categories), tag=tag, data_dir=data_dir,
-        results_dir=results_dir, baseline=not no_baseline, budget=budget,
+        results_dir=results_dir, baseline=not no_baseline, budget=budget, batch_size=batch_size,
         method_options=_parse_options(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
     if drafter:
         from bench.registry import get_method

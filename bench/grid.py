@@ -134,8 +134,10 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "auto", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
-             budget: int | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None) -> list[Cell]:
+             budget: int | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None,
+             temperature: float = 0.0) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
+    `temperature`: every cell's sampling temperature (0: greedy; seeds per turn, as bench run).
     `budget`: every method's --budget (draft tokens verified per round). `ray`: a Ray cluster's
     address (or auto) to run the cells on, `ray_cpus_per_cell` cores each on CPU (bench.grid_ray)."""
     from bench.core.provenance import git_sha
@@ -159,6 +161,7 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     manifest_path = Path(results_dir) / target.name / f"grid-{tag}.json"
     cells: list[Cell] = []
     manifest = {"tag": tag, "target": target.name, "plan": plan, "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
                 "methods": methods, "git_sha": git_sha(), "cells": []}
 
     # A grid over some tasks or methods keeps what other invocations (earlier, or running
@@ -195,7 +198,7 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             settings = RunSettings(method=method, task=task, target=target_spec, max_new_tokens=max_new_tokens,
                                    device=device, dtype=dtype, limit=selection.get("limit"),
                                    per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
-                                   results_dir=results_dir, repeat=repeat, budget=budget)
+                                   results_dir=results_dir, repeat=repeat, budget=budget, temperature=temperature)
             try:
                 decoder = build_decoder(method, target, resolve_options(method, settings.method_options, budget))
             except BenchError as exc:  # e.g. no trained drafter for this target
@@ -288,9 +291,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
                    "their records come back here")
 @click.option("--ray-cpus-per-cell", type=click.IntRange(min=1), default=None,
               help="with --ray: cores (and torch threads) per cell (default: this process's torch threads; 1 on CUDA)")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="sampling temperature of every cell (the sampled series: default tag <grid>-t<T>)")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         repeats, remeasure_contended, budget, ray_address, ray_cpus_per_cell, dry_run) -> None:
+         repeats, remeasure_contended, budget, ray_address, ray_cpus_per_cell, temperature, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         check_tag(tag, revision_ok=False)
@@ -299,11 +304,12 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         if unknown:
             raise BenchError(f"unknown grid task {', '.join(unknown)} (choose from {', '.join(plan)})")
         plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
-        cells = run_grid(plan, list(methods) or grid_methods(), tag or ("full" if full else "grid"), results_dir,
+        tag = tag or ("full" if full else "grid") + (f"-t{temperature:g}" if temperature else "")
+        cells = run_grid(plan, list(methods) or grid_methods(), tag, results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
                          repeats=repeats, remeasure_contended=remeasure_contended, budget=budget, ray=ray_address,
-                         ray_cpus_per_cell=ray_cpus_per_cell)
+                         ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

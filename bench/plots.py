@@ -269,6 +269,38 @@ def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "and verify time per round; the model leaves out TTFT and the loop's own overhead.")
 
 
+def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    name, title = "load", "Speedup and throughput vs batch size"
+    rows = per_task[per_task["batch_size"].gt(1)] if "batch_size" in per_task else per_task.iloc[:0]
+    if rows.empty:
+        return Skipped(name, title, "no batched run (bench run --batch-size) in the selection")
+    rows = per_task.assign(throughput=per_task["tokens_per_s"] * per_task["load"])
+    rows = rows[rows.groupby(["target", "task", "method"])["batch_size"].transform("nunique").gt(1)]
+    if rows.empty:
+        return Skipped(name, title, "no method run at more than one batch size")
+    fig = _figure(9.0, 3.6)
+    with matplotlib.rc_context(RC):
+        left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        for (method, task), sub in rows.groupby(["method", "task"], sort=False):
+            sub = sub.sort_values("batch_size")
+            style = dict(color=_color(method), marker="o", linewidth=0.8, label=f"{method} / {task}")
+            right.plot(sub["batch_size"], sub["throughput"], **style)
+            if method != BASELINE:
+                left.plot(sub["batch_size"], sub["speedup"], **style)
+        left.axhline(1.0, color="black", linewidth=0.6)
+        left.set_ylabel("speedup over AR at the same batch size")
+        right.set_ylabel("total tok/s (per-request tok/s x mean load)")
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("batch size (requests decoding at once)")
+        right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "Each method at several `bench run --batch-size` values, its AR baseline run "
+                 "at the same batch size. Left: speedup (ratio of sums over paired turns). Right: total throughput, "
+                 "per-request tok/s times the mean number of requests sharing its target passes.")
+
+
 def _speedup_axes(ax, legend_size: int) -> None:
     """Speedup against τ: the break-even line, labels, the legend outside on the right."""
     ax.axhline(1.0, color="black", linewidth=0.6)
@@ -384,9 +416,10 @@ def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | 
             ("speedup", "Speedup over AR by method and task"), ("acceptance", "Per-position acceptance a_i"),
             ("accept_hist", "Accepted length per round"), ("tau_budget", "τ vs draft budget"),
             ("speedup_tau", "Measured speedup vs τ, with the speedup model"), ("scaling", "τ vs training tokens"),
-            ("oracle", "Speedup at τ: oracle acceptance against the real drafters"))]
+            ("oracle", "Speedup at τ: oracle acceptance against the real drafters"),
+            ("load", "Speedup and throughput vs batch size"))]
     else:
         figures = [speedup_by_task(per_task, overall, out), acceptance_decay(per_task, overall, out),
                    accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out),
-                   tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out)]
+                   tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out), load_sweep(per_task, out)]
     return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]

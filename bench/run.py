@@ -52,6 +52,7 @@ class RunSettings:
     method_options: dict = field(default_factory=dict)
     budget: int | None = None  # --budget: draft tokens verified per round (root excluded), for the method only
     repeat: int = 1  # which pass of the series this is (1-based); k > 1 goes to tag `<tag>.rep<k>`
+    batch_size: int = 1  # requests decoding at once (bench.core.decode.decode_batch); 1: one at a time
 
     @property
     def records_tag(self) -> str | None:
@@ -80,22 +81,52 @@ class Side:
         self.decoder = decoder
         self.records = run_file
 
-    def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
-               target, config: DecodeConfig, baseline: Side | None) -> str:
-        """Run (or read back) one turn; returns the reply text for the conversation."""
-        prompt = chat_prompt(target.tokenizer, messages)
+    def recorded_reply(self, question: Question, turn: int, prompt: list[int]) -> str | None:
+        """The turn's reply if the records hold it (after claiming the file), else None."""
         done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
         if done is None:
             self.records.claim()  # another run may have recorded it before this one took the file
             done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
-        if done is not None:
-            return done["text"]
+        return None if done is None else done["text"]
+
+    def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
+               target, config: DecodeConfig, baseline: Side | None) -> str:
+        """Run (or read back) one turn; returns the reply text for the conversation."""
+        prompt = chat_prompt(target.tokenizer, messages)
+        if (text := self.recorded_reply(question, turn, prompt)) is not None:
+            return text
         check_context(target, len(prompt), config.max_new_tokens, question.question_id, turn)
         device = str(target.engine.device)
-        generator = torch.Generator(device=target.engine.device)
-        generator.manual_seed(turn_seed(settings.seed, question.question_id, turn))
         with UtilizationMonitor(device) as monitor:
-            result = self.decoder.run_turn(prompt, config, generator)
+            result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
+        return self.record(question, turn, prompt, result, monitor.summary(), settings, target, baseline)
+
+    def answer_batch(self, items: list[tuple[Question, int, list[dict]]], settings: RunSettings, target,
+                     config: DecodeConfig, baseline: Side | None) -> list[str]:
+        """Run (or read back) one turn of many conversations, settings.batch_size decoding at
+        once; returns the reply texts."""
+        replies: list[str | None] = []
+        todo: list[tuple[int, list[int]]] = []
+        for question, turn, messages in items:
+            prompt = chat_prompt(target.tokenizer, messages)
+            replies.append(self.recorded_reply(question, turn, prompt))
+            if replies[-1] is None:
+                check_context(target, len(prompt), config.max_new_tokens, question.question_id, turn)
+                todo.append((len(replies) - 1, prompt))
+        if todo:
+            generators = [turn_generator(target, settings, items[i][0], items[i][1]) for i, _ in todo]
+            with UtilizationMonitor(str(target.engine.device)) as monitor:
+                results = self.decoder.run_batch([p for _, p in todo], config, settings.batch_size, generators)
+            for (i, prompt), result in zip(todo, results):
+                question, turn, _ = items[i]
+                replies[i] = self.record(question, turn, prompt, result, monitor.summary(), settings, target,
+                                         baseline, {"batch_size": settings.batch_size, "load": result.load,
+                                                    "queued": result.queued})
+        return replies
+
+    def record(self, question: Question, turn: int, prompt: list[int], result, utilization: dict,
+               settings: RunSettings, target, baseline: Side | None, extra: dict | None = None) -> str:
+        """Append the turn's record (compared with the baseline's); returns its text."""
         text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
         record = {
             "question_id": question.question_id, "category": question.category, "turn": turn,
@@ -105,11 +136,18 @@ class Side:
             "draft_time": result.draft_time, "verify_time": result.verify_time,
             "rounds": len(result.accept_lengths), "proposed_lengths": result.proposed_lengths,
             "accept_lengths": result.accept_lengths, "tree_sizes": result.tree_sizes,
-            "utilization": monitor.summary(), "repeat": settings.repeat,
+            "utilization": utilization, "repeat": settings.repeat, **(extra or {}),
         }
         record.update(compare_with_baseline(record, baseline, settings, target, prompt))
         self.records.add_turn(record)
         return text
+
+
+def turn_generator(target, settings: RunSettings, question: Question, turn: int) -> torch.Generator:
+    """The turn's own generator (a per-turn seed: a resumed or batched run draws the same numbers)."""
+    generator = torch.Generator(device=target.engine.device)
+    generator.manual_seed(turn_seed(settings.seed, question.question_id, turn))
+    return generator
 
 
 # A k-token verify pass may round differently from a 1-token step. Where the target's top-2
@@ -171,6 +209,7 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
         "device": target.engine.device.type, "dtype": settings.dtype,
         "method_options": recorded_options(method, settings.method_options, settings.budget) if own else {},
         **({"budget": settings.budget} if own and settings.budget is not None else {}),
+        **({"batch_size": settings.batch_size} if settings.batch_size > 1 else {}),
         "lossless": decoder.lossless,
         # Which trained drafter produced the records (methods that load one expose `info`).
         **({"drafter": decoder.info} if getattr(decoder, "info", None) else {}),
@@ -285,6 +324,10 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
     if settings.baseline and settings.method != BASELINE:
         baseline_side = open_side(BASELINE, build_decoder(BASELINE, target))
     sides = [s for s in (baseline_side, method_side) if s is not None]
+    for side in sides:
+        if settings.batch_size > 1 and not hasattr(side.decoder, "run_batch"):
+            raise BenchError(f"method '{side.name}' cannot decode batched (it does not run through the shared "
+                             "decode loop); run it with --batch-size 1")
     for question in questions:  # every first turn that will run fits the context (later turns: Side.answer)
         if any(side.records.done(question.question_id, 1) is None for side in sides):
             prompt = chat_prompt(target.tokenizer, [{"role": "user", "content": question.turns[0]}])
@@ -294,16 +337,32 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
     total_turns = sum(len(q.turns) for q in questions)
     label = f"{settings.method} on {task}" + (f" (repeat {settings.repeat})" if settings.repeat > 1 else "")
     with tqdm(total=total_turns, desc=label, unit="turn") as progress:
-        for question in questions:
-            conversations = {side.name: [] for side in sides}
-            for turn, user_text in enumerate(question.turns, start=1):
+        if settings.batch_size > 1:  # turn k of every conversation at once (turn k's prompt holds reply k-1)
+            conversations = {(side.name, q.question_id): [] for side in sides for q in questions}
+            for turn in range(1, max(len(q.turns) for q in questions) + 1):
+                asked = [q for q in questions if len(q.turns) >= turn]
                 for side in sides:
-                    messages = conversations[side.name]
-                    messages.append({"role": "user", "content": user_text})
-                    reply = side.answer(question, turn, messages, settings, target, config,
-                                        baseline_side if side is method_side else None)
-                    messages.append({"role": "assistant", "content": reply})
-                progress.update(1)
+                    items = []
+                    for question in asked:
+                        messages = conversations[side.name, question.question_id]
+                        messages.append({"role": "user", "content": question.turns[turn - 1]})
+                        items.append((question, turn, messages))
+                    replies = side.answer_batch(items, settings, target, config,
+                                                baseline_side if side is method_side else None)
+                    for (_, _, messages), reply in zip(items, replies):
+                        messages.append({"role": "assistant", "content": reply})
+                progress.update(len(asked))
+        else:
+            for question in questions:
+                conversations = {side.name: [] for side in sides}
+                for turn, user_text in enumerate(question.turns, start=1):
+                    for side in sides:
+                        messages = conversations[side.name]
+                        messages.append({"role": "user", "content": user_text})
+                        reply = side.answer(question, turn, messages, settings, target, config,
+                                            baseline_side if side is method_side else None)
+                        messages.append({"role": "assistant", "content": reply})
+                    progress.update(1)
     return {side.name: ([t for t in side.records.turns if (t["question_id"], t["turn"]) in keys],
                         str(side.records.path)) for side in sides}
 

@@ -263,6 +263,8 @@ def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
     row.update(questions=len({t["question_id"] for t in method}),
                tree_size=sum(sum(t["tree_sizes"]) for t in sized) / rounds if rounds else float("nan"),
                verify_s_per_round=_per_round(method, "verify_time"),
+               # Mean requests sharing a target pass (1 for batch-1 runs): total throughput ~ tok/s x load.
+               load=sum(t.get("load", 1.0) for t in method) / len(method) if method else float("nan"),
                gpu_util=_util(method, "gpu"), cpu_util=_util(method, "cpu"))
     return row
 
@@ -297,7 +299,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
                 "trained_tokens": drafter.get("trained_tokens"),
-                "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept")})
+                "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
+                "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns
             group["tasks"].add(run.task)
             if base is not None:  # pooled over tasks: a task without a baseline adds no pairs
@@ -312,6 +315,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
         # The oracle's per-node acceptance where the run replaced the drafts (bench.core.oracle); NaN: real drafts.
         row["oracle_accept"] = float("nan") if group["oracle_accept"] is None else group["oracle_accept"]
+        row["batch_size"] = group["batch_size"]  # requests decoding at once (bench run --batch-size)
         row.update(summarize_group(group["method"], group["base"] or None))
         rows.append(row)
     frame = pd.DataFrame(rows)

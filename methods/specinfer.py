@@ -108,6 +108,11 @@ class SpecInferDrafter(Drafter):
         self.mode = mode
         self.seen = 0  # committed tokens held in the draft's KV cache
 
+    def fork(self) -> Drafter:
+        twin = super().fork()
+        twin.draft = self.draft.fork()  # the draft model's KV cache is per request
+        return twin
+
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.draft.prefill(torch.tensor(state.tokens[: state.prompt_len]), logits_rows="none")
         self.seen = state.prompt_len

@@ -132,6 +132,11 @@ class SpsDrafter(Drafter):
         self.gamma = gamma
         self.seen = 0  # committed tokens whose KV the draft holds (a prefix of state.tokens)
 
+    def fork(self) -> Drafter:
+        twin = super().fork()
+        twin.draft = self.draft.fork()  # the draft model's KV cache is per request
+        return twin
+
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         # The prompt is prefilled here; the first target token is fed with the first proposal.
         self.gamma = self.initial_gamma

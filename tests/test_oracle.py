@@ -27,14 +27,16 @@ def test_oracle_acceptance_is_exact_and_accepts_what_it_decides(default_target, 
                           eos_token_ids=tuple(default_target.eos_token_ids))
     prompt = _prompt(default_target)
     reference = decode(default_target.engine, Drafter(), prompt, config).tokens
-    full = registry.build_decoder(method, default_target, {"oracle_accept": 1.0}).run_turn(prompt, config)
-    none = registry.build_decoder(method, default_target, {"oracle_accept": 0.0}).run_turn(prompt, config)
+    # DSpark's throughput schedule cuts by the confidence head and a t_v(k) curve measured as the
+    # decoder is built (timing-dependent): verify its whole block instead.
+    fixed = {"schedule": "none"} if method == "dspark" else {}
+    full = registry.build_decoder(method, default_target, {"oracle_accept": 1.0, **fixed}).run_turn(prompt, config)
+    none = registry.build_decoder(method, default_target, {"oracle_accept": 0.0, **fixed}).run_turn(prompt, config)
     assert full.tokens == reference and none.tokens == reference
     assert all(a == 0 for a in none.accept_lengths)
     # a=1: each round accepts its whole deepest path, save where the reply ends first.
-    # (DSpark's scheduler may verify fewer than it proposes, medusa's typical acceptance
-    # can refuse a right token; both still accept far more than nothing.)
-    if method in ("dspark", "medusa"):
+    # (medusa's typical acceptance can refuse a right token; it still accepts far more than nothing.)
+    if method == "medusa":
         assert sum(full.accept_lengths) > len(full.accept_lengths) // 2
     else:
         assert all(a == p for a, p in zip(full.accept_lengths[:-1], full.proposed_lengths[:-1]))

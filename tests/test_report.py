@@ -456,3 +456,25 @@ def test_scaling_figure_from_drafters_kept_at_several_sizes(tmp_path):
     assert isinstance(figure, Figured), getattr(figure, "reason", "")
     pixels = np.asarray(Image.open(figure.png).convert("L"), dtype=float)
     assert pixels.std() > 5
+
+
+def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):
+    """`python -m bench.grid --temperature 1`: its own series (tag grid-t1), every cell's
+    settings sampled at T = 1, the temperature in the manifest; the greedy series untouched."""
+    from click.testing import CliRunner
+
+    import bench.grid
+    import tasks
+
+    load_task = tasks.load_task
+    monkeypatch.setattr(bench.grid, "DEFAULT_PLAN", {"mtbench": {}})
+    monkeypatch.setattr(tasks, "load_task", lambda task, *a, **k: load_task(str(tiny_task), *a, **k))
+    results = tmp_path / "results"
+    result = CliRunner().invoke(bench.grid.main, ["--method", "pld", "--max-new-tokens", "8", "--results-dir",
+                                                  str(results), "--temperature", "1"])
+    assert result.exit_code == 0, result.output
+    assert fake_bench == ["grid-t1"]
+    manifest = json.loads((results / TARGET / "grid-grid-t1.json").read_text())
+    assert manifest["temperature"] == 1.0 and not (results / TARGET / "grid-grid.json").exists()
+    [pld] = list(results.rglob("pld-grid-t1.jsonl"))
+    assert json.loads(pld.read_text().splitlines()[0])["settings"]["sampling"]["temperature"] == 1.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -69,6 +70,14 @@ class Drafter:
         `lossless = False` so its records are kept out of lossless tables)."""
         return verify(draft, logits, sampling, generator)
 
+    def fork(self) -> Drafter:
+        """A drafter for another request decoding at the same time (batched decoding): the
+        same weights; per-request state is set by `begin`. A drafter whose `begin` reuses a
+        buffer in place (a KV cache) gives the fork its own."""
+        import copy
+
+        return copy.copy(self)
+
     def learn(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput,
               rows: list[int]) -> None:
         """Learn from the verified round. `rows` are the verify-pass rows now committed
@@ -86,6 +95,8 @@ class TurnResult:
     proposed_lengths: list[int]  # per round: longest draft path offered (tree depth)
     accept_lengths: list[int]  # per round: accepted draft tokens (0..proposed)
     tree_sizes: list[int]  # per round: draft nodes verified
+    queued: float = 0.0  # batched decoding: run start -> the request's admission to a slot
+    load: float = 1.0  # batched decoding: mean requests sharing its target passes
 
 
 def _sync(device: torch.device) -> None:
@@ -114,57 +125,138 @@ class _StopRule:
         return len(generated), None
 
 
+class _Request:
+    """One reply in progress: its state, drafter, stop rule and counters. The batch-1 loop
+    and the batched loop drive the same rounds: propose, (the target pass), settle."""
+
+    def __init__(self, drafter: Drafter, prompt: list[int], prefill: ForwardOutput, config: DecodeConfig,
+                 engine: Engine, generator: torch.Generator | None, tokenizer, started: float) -> None:
+        self.drafter, self.config, self.generator = drafter, config, generator
+        self.stop = _StopRule(config, tokenizer)
+        first = sample(prefill.logits[-1], config.sampling, generator)
+        _sync(engine.device)
+        self.started, self.first_at = started, time.perf_counter()
+        self.state = DecodeState(tokens=list(prompt) + [first], prompt_len=len(prompt), engine=engine,
+                                 config=config, generator=generator)
+        self.proposed: list[int] = []
+        self.accepted: list[int] = []
+        self.sizes: list[int] = []
+        self.draft_time = self.verify_time = 0.0
+        self.keep, self.reason = self.stop.cut(self.state.generated, 0)
+        if self.reason is None:
+            drafter.begin(self.state, prefill)
+            _sync(engine.device)
+            self.draft_time += time.perf_counter() - self.first_at
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def propose(self) -> tuple[Draft, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The round's draft and its verification block (tokens, positions, mask)."""
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(self.state)
+        _sync(self.state.engine.device)
+        self.draft_time += time.perf_counter() - t0
+        return draft, draft.verify_inputs(self.state.root, 0)
+
+    def settle(self, draft: Draft, out: ForwardOutput, keep, pass_started: float) -> None:
+        """Accept from the pass's logits, keep the accepted K/V rows (`keep(rows)`), learn.
+        Verification time: from `pass_started` (the target pass) to the kept cache."""
+        verdict = self.drafter.verify(draft, out.logits[: len(draft) + 1], self.config.sampling, self.generator)
+        rows = [0] + [node + 1 for node in verdict.accepted]
+        keep(rows)
+        _sync(self.state.engine.device)
+        self.verify_time += time.perf_counter() - pass_started
+        before = len(self.state.generated)
+        self.state.tokens += [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
+        self.proposed.append(max(draft.depths(), default=0))
+        self.accepted.append(len(verdict.accepted))
+        self.sizes.append(len(draft))
+        self.keep, self.reason = self.stop.cut(self.state.generated, before)
+        t3 = time.perf_counter()
+        if self.reason is None:
+            self.drafter.learn(self.state, draft, verdict, out, rows)
+        _sync(self.state.engine.device)
+        self.draft_time += time.perf_counter() - t3
+
+    def result(self) -> TurnResult:
+        return TurnResult(
+            tokens=self.state.generated[:self.keep], stop_reason=self.reason, ttft=self.first_at - self.started,
+            decode_time=time.perf_counter() - self.first_at, draft_time=self.draft_time,
+            verify_time=self.verify_time, proposed_lengths=self.proposed, accept_lengths=self.accepted,
+            tree_sizes=self.sizes)
+
+
 def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeConfig,
            generator: torch.Generator | None = None, tokenizer=None) -> TurnResult:
     """Generate one reply to `prompt` with `drafter` proposing and the target verifying."""
-    device = engine.device
-    stop = _StopRule(config, tokenizer)
-    _sync(device)
+    _sync(engine.device)
     started = time.perf_counter()
     prefill = engine.prefill(torch.tensor(prompt), taps=drafter.taps,
                              capacity=len(prompt) + config.max_new_tokens + PASS_HEADROOM)
-    first = sample(prefill.logits[-1], config.sampling, generator)
-    _sync(device)
-    first_at = time.perf_counter()
-    state = DecodeState(tokens=list(prompt) + [first], prompt_len=len(prompt), engine=engine,
-                        config=config, generator=generator)
-    proposed, accepted_counts, sizes = [], [], []
-    draft_time = verify_time = 0.0
-    keep, reason = stop.cut(state.generated, 0)
-    if reason is None:
-        drafter.begin(state, prefill)
-        _sync(device)
-        draft_time += time.perf_counter() - first_at
-    while reason is None:
-        t0 = time.perf_counter()
-        draft = drafter.propose(state)
-        _sync(device)
+    request = _Request(drafter, prompt, prefill, config, engine, generator, tokenizer, started)
+    while not request.done:
+        draft, (tokens, positions, mask) = request.propose()
         t1 = time.perf_counter()
         start = engine.length
-        tokens, positions, mask = draft.verify_inputs(state.root, start)
-        out = engine.forward(tokens, positions, mask, taps=drafter.taps)
-        verdict = drafter.verify(draft, out.logits[: len(draft) + 1], config.sampling, generator)
-        rows = [0] + [node + 1 for node in verdict.accepted]
-        engine.keep(start, rows)
-        _sync(device)
-        t2 = time.perf_counter()
-        before = len(state.generated)
-        state.tokens += [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
-        proposed.append(max(draft.depths(), default=0))
-        accepted_counts.append(len(verdict.accepted))
-        sizes.append(len(draft))
-        keep, reason = stop.cut(state.generated, before)
-        t3 = time.perf_counter()
-        if reason is None:
-            drafter.learn(state, draft, verdict, out, rows)
-        _sync(device)
-        verify_time += t2 - t1
-        draft_time += (t1 - t0) + (time.perf_counter() - t3)
-    finished = time.perf_counter()
-    return TurnResult(
-        tokens=state.generated[:keep], stop_reason=reason, ttft=first_at - started,
-        decode_time=finished - first_at, draft_time=draft_time, verify_time=verify_time,
-        proposed_lengths=proposed, accept_lengths=accepted_counts, tree_sizes=sizes)
+        out = engine.forward(tokens, positions + start, mask, taps=drafter.taps)
+        request.settle(draft, out, partial(engine.keep, start), t1)
+    return request.result()
+
+
+def decode_batch(engine: Engine, drafters: list[Drafter], prompts: list[list[int]], config: DecodeConfig,
+                 generators: list[torch.Generator | None] | None = None, tokenizer=None) -> list[TurnResult]:
+    """Replies to every prompt, len(drafters) at a time: one target pass per round verifies
+    every live request's draft (bench.core.batch), and a finished request's slot takes the
+    next prompt at once (continuous batching). Drafters are per slot, reused request after
+    request as the batch-1 loop reuses its one."""
+    from bench.core.batch import TargetBatch
+
+    generators = generators or [None] * len(prompts)
+    taps = drafters[0].taps
+    batch = TargetBatch(engine, len(drafters), max(map(len, prompts)) + config.max_new_tokens + PASS_HEADROOM)
+    queue = list(range(len(prompts)))
+    live: dict[int, tuple[int, _Request]] = {}  # slot -> (prompt index, request)
+    loads: dict[int, list[int]] = {}
+    results: list[TurnResult | None] = [None] * len(prompts)
+    _sync(engine.device)
+    run_started = time.perf_counter()
+
+    def finish(index: int, request: _Request, admitted: float) -> None:
+        result = request.result()
+        result.queued = admitted - run_started
+        result.load = sum(loads.get(index, [1])) / len(loads.get(index, [1]))
+        results[index] = result
+
+    admitted: dict[int, float] = {}
+    while queue or live:
+        for slot in range(len(drafters)):
+            while slot not in live and queue:
+                index = queue.pop(0)
+                admitted[index] = started = time.perf_counter()
+                prefill = batch.start(slot, prompts[index], taps)
+                request = _Request(drafters[slot], prompts[index], prefill, config, engine, generators[index],
+                                   tokenizer, started)
+                if request.done:
+                    finish(index, request, started)
+                else:
+                    live[slot] = (index, request)
+        if not live:
+            break
+        slots = sorted(live)
+        proposals = [live[slot][1].propose() for slot in slots]
+        starts = [batch.lengths[slot] for slot in slots]
+        pass_started = time.perf_counter()
+        outputs = batch.forward(slots, [block for _, block in proposals], taps)
+        for slot, start, (draft, _), out in zip(slots, starts, proposals, outputs):
+            index, request = live[slot]
+            loads.setdefault(index, []).append(len(slots))
+            request.settle(draft, out, partial(batch.keep, slot, start), pass_started)
+            if request.done:
+                finish(index, request, admitted[index])
+                del live[slot]
+    return results
 
 
 class LoopDecoder:
@@ -180,3 +272,10 @@ class LoopDecoder:
     def run_turn(self, prompt: list[int], config: DecodeConfig,
                  generator: torch.Generator | None = None) -> TurnResult:
         return decode(self.target.engine, self.drafter, prompt, config, generator, self.target.tokenizer)
+
+    def run_batch(self, prompts: list[list[int]], config: DecodeConfig, batch_size: int,
+                  generators: list[torch.Generator | None] | None = None) -> list[TurnResult]:
+        """Replies to `prompts`, `batch_size` requests decoding at once (decode_batch); each
+        slot has its own drafter (Drafter.fork)."""
+        drafters = [self.drafter] + [self.drafter.fork() for _ in range(min(batch_size, len(prompts)) - 1)]
+        return decode_batch(self.target.engine, drafters, prompts, config, generators, self.target.tokenizer)

@@ -216,6 +216,14 @@ class Engine:
         else:
             self.cache = self.new_cache(capacity)
 
+    def fork(self) -> Engine:
+        """The same weights with a KV cache of its own (a draft model per batched request)."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.cache = self.new_cache(self.cache.capacity)
+        return twin
+
     @property
     def length(self) -> int:
         return self.cache.length
@@ -293,25 +301,24 @@ class Engine:
         gate, up = self.linear(h, layer["gate_up"]).chunk(2, dim=-1)
         return x + self.linear(F.silu(gate) * up, layer["down"])
 
-    def invariant_attention(self, q: Tensor, layer: int, span: int, visible: Tensor) -> Tensor:
-        """Attention of q [1, heads, n, head_dim] over cache slots [0, span) (span a multiple
-        of SPAN_ALIGN, slots past the filled ones zeroed), `visible` [n, span], in fp64 with
-        one row's arithmetic independent of the others and of where its keys sit: the heads
-        sharing a K/V head are stacked as rows of one matmul, masked scores are exact zeros
-        after the softmax, and the sums' rounding is far below bf16's."""
+    def invariant_attention(self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+        """Attention of q [1, heads, n, head_dim] over fp64 keys and values [1, kv_heads,
+        span, head_dim] (span a multiple of SPAN_ALIGN, slots past the filled ones zeroed),
+        `visible` [n, span], in fp64 with one row's arithmetic independent of the others and
+        of where its keys sit: the heads sharing a K/V head are stacked as rows of one matmul,
+        masked scores are exact zeros after the softmax, and the sums' rounding is far below
+        bf16's."""
         n = q.shape[2]
         if n > INVARIANT_ROWS:  # the matmuls below pick other kernels for many rows too
-            return torch.cat([self.invariant_attention(q[:, :, i:i + INVARIANT_ROWS], layer, span,
+            return torch.cat([self.invariant_attention(q[:, :, i:i + INVARIANT_ROWS], keys, values,
                                                        visible[i:i + INVARIANT_ROWS])
                               for i in range(0, n, INVARIANT_ROWS)], dim=2)
         _, heads, n, dim = q.shape
-        group = heads // self.num_kv_heads
-        k = self.cache.k[layer, :, :, :span]  # fp64 (cache_dtype)
-        v = self.cache.v[layer, :, :, :span]
-        scores = torch.matmul(q.double().reshape(1, self.num_kv_heads, group * n, dim), k.transpose(-1, -2))
+        group, span = heads // self.num_kv_heads, keys.shape[2]
+        scores = torch.matmul(q.double().reshape(1, self.num_kv_heads, group * n, dim), keys.transpose(-1, -2))
         scores = (scores * self.scale).view(1, self.num_kv_heads, group, n, span)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).view(1, self.num_kv_heads, group * n, span)
-        return torch.matmul(probs, v).view(1, heads, n, dim).to(q.dtype)
+        return torch.matmul(probs, values).view(1, heads, n, dim).to(q.dtype)
 
     # --------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -391,7 +398,7 @@ class Engine:
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
             if invariant:
-                attn = self.invariant_attention(q, i, span, visible)
+                attn = self.invariant_attention(q, k_cache[i, :, :, :span], v_cache[i, :, :, :span], visible)
             else:
                 keys, values = (k, v) if start == 0 else (k_cache[i, :, :, :total], v_cache[i, :, :, :total])
                 attn = F.scaled_dot_product_attention(

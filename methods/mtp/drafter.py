@@ -98,6 +98,11 @@ class SequentialDrafter(MtpDrafter):
         self.taps = (engine.num_layers,)
         self.cache = model.layer.new_cache(dtype, self.device)
 
+    def fork(self) -> Drafter:
+        twin = super().fork()
+        twin.cache = self.model.layer.new_cache(self.dtype, self.device)
+        return twin
+
     def reset_caches(self) -> None:
         self.cache.length = 0  # slot i holds row i+1 at position i (row 0, the first token, has no feature)
 
@@ -144,6 +149,11 @@ class ParallelDrafter(MtpDrafter):
         super().__init__(model, engine, depth, sample, dtype)
         self.taps = (tap,)
         self.caches = [head.layer.new_cache(dtype, self.device) for head in model.heads[:depth]]
+
+    def fork(self) -> Drafter:
+        twin = super().fork()
+        twin.caches = [head.layer.new_cache(self.dtype, self.device) for head in self.model.heads[:len(self.caches)]]
+        return twin
 
     def reset_caches(self) -> None:
         for cache in self.caches:
