@@ -207,8 +207,11 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
 @click.option("--shards", default=None, help="a:b, the shard numbers to generate (default: all)")
 @click.option("--tokens", type=float, default=None, help="stop once this many reply tokens exist")
 @click.option("--data-dir", default=None, help="where the evaluation suites are (for the overlap filter)")
-@click.option("--status", is_flag=True, help="list the distilled data in the cache (shards, tokens, tok/s) and exit")
-def distill(target, device, dtype, batch_size, max_reply, max_context, shards, tokens, data_dir, status) -> None:
+@click.option("--root", default=None,
+              help="folder of distilled data to write (default: the user cache; the project's own: methods/distilled)")
+@click.option("--status", is_flag=True,
+              help="list the distilled data, cached and shipped (shards, tokens, tok/s), and exit")
+def distill(target, device, dtype, batch_size, max_reply, max_context, shards, tokens, data_dir, root, status) -> None:
     """Self-distilled training data: the target's own greedy replies to every turn of
     ShareGPT conversations (minus those overlapping an evaluation suite), sharded, resumable."""
     from bench.core.target import load_target, resolve_dtype
@@ -231,7 +234,8 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
     questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
     loaded = load_target(target, device="cpu")
     settings = DistillSettings(max_reply=max_reply, max_context=max_context, dtype=dtype)
-    data = distill(loaded, settings, questions, span, int(tokens) if tokens else None, batch_size, device)
+    data = distill(loaded, settings, questions, span, int(tokens) if tokens else None, batch_size, device,
+                   root=root)
     click.echo(f"{data.folder}: {len(data.shards())} shards, {data.reply_tokens} reply tokens")
 
 

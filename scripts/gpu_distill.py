@@ -98,7 +98,7 @@ def run(dest: Path, shards: range, out: Path, batch_size: int, device: str, max_
     print(f"{len(index['shards'])} shards, {data.reply_tokens} reply tokens -> {out}")
 
 
-def merge(source: Path) -> None:
+def merge(source: Path, root: Path | None = None) -> None:
     from bench.core.files import write_json
     from bench.core.target import load_target
     from bench.core.training.distill import DistillSettings, distill_dir
@@ -107,7 +107,7 @@ def merge(source: Path) -> None:
     target = load_target(None, device="cpu")
     if theirs["target_fingerprint"] != target.fingerprint:
         sys.exit("those shards came from other target weights")
-    folder = distill_dir(target.name, DistillSettings(), theirs["dtype"])
+    folder = distill_dir(target.name, DistillSettings(), theirs["dtype"], root)
     index = json.loads((folder / "index.json").read_text())
     if {k: v for k, v in theirs["settings"].items() if k != "data_path"} != \
             {k: v for k, v in index["settings"].items() if k != "data_path"} or theirs["prompts"] != index["prompts"]:
@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--prepare", type=Path)
     parser.add_argument("--run", type=Path)
     parser.add_argument("--merge", type=Path)
+    parser.add_argument("--root", type=Path, default=None,
+                        help="with --merge: the distilled-data root to merge into (default: the user cache)")
     parser.add_argument("--shards", default="0:136")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--batch-size", type=int, default=512)
@@ -139,7 +141,7 @@ def main() -> None:
         first, last = args.shards.split(":")
         run(args.run, range(int(first), int(last)), args.out, args.batch_size, args.device, args.max_reply)
     elif args.merge:
-        merge(args.merge)
+        merge(args.merge, args.root)
     else:
         parser.error("one of --prepare, --run, --merge")
 

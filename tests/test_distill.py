@@ -75,8 +75,8 @@ def test_replies_are_the_targets_greedy_tokens_turn_by_turn(tiny_distill, defaul
 
 def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_target, monkeypatch):
     data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
-    first = (data.folder / "shard_00000.jsonl").read_text()
-    (data.folder / "shard_00001.jsonl").unlink()  # killed while writing shard 1 (it is written by rename)
+    first = (data.folder / "shard_00000.jsonl.gz").read_bytes()
+    (data.folder / "shard_00001.jsonl.gz").unlink()  # killed while writing shard 1 (it is written by rename)
     calls = []
     original = distill_module.generate_shards
 
@@ -88,7 +88,7 @@ def test_an_interrupted_run_redoes_only_the_missing_shard(tiny_distill, default_
     monkeypatch.setattr(distill_module, "generate_shards", counting)
     again = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
     assert calls == [[2]]  # only shard 1's one conversation
-    assert (again.folder / "shard_00000.jsonl").read_text() == first
+    assert (again.folder / "shard_00000.jsonl.gz").read_bytes() == first
     assert [s["shard"] for s in again.shards()] == [0, 1]
     log = [json.loads(line) for line in (again.folder / "log.jsonl").read_text().splitlines()]
     shards = [entry["shard"] for entry in log]  # shards run overlapped: the first run may finish 1 before 0
@@ -152,7 +152,7 @@ def test_a_killed_run_keeps_its_finished_conversations(tiny_distill, default_tar
     folder = distill_module.distill_dir(default_target.name, tiny_distill, "float32")
     journaled = {json.loads(line)["index"] for path in folder.glob(".shard_*.partial.jsonl")
                  for line in path.read_text().splitlines()}
-    assert journaled and not (folder / "shard_00000.jsonl").exists()  # shard 0 was cut mid-way
+    assert journaled and not (folder / "shard_00000.jsonl.gz").exists()  # shard 0 was cut mid-way
     started = []
     original = distill_module.generate_shards
 
@@ -167,3 +167,36 @@ def test_a_killed_run_keeps_its_finished_conversations(tiny_distill, default_tar
     assert not journaled & set(started)
     assert {row["index"]: row["tokens"] for row in again.rows()} == whole
     assert not list(folder.glob(".shard_*.partial.jsonl"))
+
+
+def test_data_under_another_root_is_found_by_the_trainers_and_older_plain_shards_still_read(
+        tiny_distill, default_target, tmp_path, monkeypatch):
+    """`bench distill --root DIR` (the project ships methods/distilled/): the trainers find a
+    registered root's data; a shard written plain (.jsonl, older runs) reads as a gzipped one;
+    with dtype auto, a dataset begun in another dtype is continued, not restarted."""
+    import gzip
+    from dataclasses import replace
+
+    from bench.core.training.features import FeatureData, with_distilled_folder
+
+    root = tmp_path / "shipped"
+    data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False, root=root)
+    assert data.folder.parent.parent == root and not (tmp_path / "cache" / "distill").exists()
+    rows = list(data.rows())
+    plain = data.folder / "shard_00000.jsonl"
+    plain.write_bytes(gzip.decompress((data.folder / "shard_00000.jsonl.gz").read_bytes()))
+    (data.folder / "shard_00000.jsonl.gz").unlink()
+    index = json.loads((data.folder / "index.json").read_text())
+    index["shards"] = [dict(s, file=plain.name) if s["shard"] == 0 else s for s in index["shards"]]
+    (data.folder / "index.json").write_text(json.dumps(index))
+    assert list(distill_module.DistilledData(data.folder).rows()) == rows
+
+    monkeypatch.setattr(distill_module, "SHIPPED_ROOTS", [root])
+    found = with_distilled_folder(default_target, FeatureData(self_distill=True))
+    assert found.distilled == str(data.folder.resolve())
+    assert str(data.folder) in distill_module.distill_status()
+
+    monkeypatch.setattr(distill_module, "resolve_dtype", lambda name, device: "bfloat16" if name == "auto" else name)
+    again = distill(default_target, replace(tiny_distill, dtype="auto"), EVAL, batch_size=4, progress=False,
+                    root=root)
+    assert again.folder == data.folder  # the float32 dataset, continued (here: already complete)

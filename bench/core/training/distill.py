@@ -5,10 +5,15 @@ what the target itself answers (greedy, its chat template), the conversation con
 with the target's own earlier answers, as `bench run` asks an MT-bench second turn. A
 drafter trained on these replies learns what it will be asked to predict at decode time.
 
-  $BENCH_CACHE/distill/<target>/<settings key>/
+  <root>/<target>/<settings key>/
       index.json           settings, the prompt filter's report, finished shards
-      shard_00000.jsonl    one conversation a line: tokens, reply spans, per-turn lengths
+      shard_00000.jsonl.gz one conversation a line: tokens, reply spans, per-turn lengths
       log.jsonl            one line per finished shard: tokens, seconds, reply tokens/s
+
+The root is $BENCH_CACHE/distill unless `bench distill --root` names another; the project
+ships its data for the default target in methods/distilled/ (registered like its drafters,
+found by the trainers, ~1 byte per reply token gzipped), so generation spread over
+machines and days accumulates in one place.
 
 Shard k holds conversations [k*S, (k+1)*S) of a fixed, seeded order, so a shard is a pure
 function of its number: an interrupted run redoes only the shard it was in, and shards can
@@ -24,6 +29,7 @@ order is fixed; the counts per suite are kept in index.json. `bench distill` run
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -263,10 +269,34 @@ def _row(tokenizer, conv: _Conversation) -> dict:
 
 
 # ------------------------------------------------------------------ the store
-def distill_dir(target_name: str, settings: DistillSettings, dtype: str) -> Path:
+SHIPPED_ROOTS: list[Path] = []  # distilled data shipped with a package (add_shipped_root)
+
+
+def add_shipped_root(folder: Path) -> None:
+    """Register a folder of shipped distilled data, <folder>/<target>/<settings key>/."""
+    folder = Path(folder).resolve()
+    if folder not in SHIPPED_ROOTS:
+        SHIPPED_ROOTS.append(folder)
+
+
+def user_root() -> Path:
     from bench.core.target import cache_dir
 
-    return cache_dir() / "distill" / target_name / settings.key(dtype)
+    return cache_dir() / "distill"
+
+
+def distill_roots() -> list[Path]:
+    """Where distilled data is looked for: the user's cache, then the shipped roots."""
+    return [user_root(), *SHIPPED_ROOTS]
+
+
+def distill_dir(target_name: str, settings: DistillSettings, dtype: str, root: Path | None = None) -> Path:
+    return Path(root or user_root()) / target_name / settings.key(dtype)
+
+
+def open_shard(path: Path):
+    """A shard file for reading text: gzipped (.jsonl.gz) or plain (.jsonl, older runs)."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
 class DistilledData:
@@ -291,18 +321,16 @@ class DistilledData:
     def rows(self):
         """Every conversation row of the finished shards."""
         for shard in self.shards():
-            with open(self.folder / shard["file"], encoding="utf-8") as handle:
+            with open_shard(self.folder / shard["file"]) as handle:
                 for line in handle:
                     yield json.loads(line)
 
 
 def distill_status() -> str:
-    """One line per distilled-data folder in the cache: shards done, reply tokens, the
-    conversations' share, and the logged throughput."""
-    from bench.core.target import cache_dir
-
+    """One line per distilled-data folder (cache and shipped): shards done, reply tokens,
+    the conversations' share, and the logged throughput."""
     lines = []
-    for index in sorted((cache_dir() / "distill").glob("*/*/index.json")):
+    for index in (i for root in distill_roots() for i in sorted(root.glob("*/*/index.json"))):
         data = DistilledData(index.parent)
         shards = data.shards()
         usable = data.index.get("prompts", {}).get("usable", 0)
@@ -315,12 +343,18 @@ def distill_status() -> str:
 
 def distill(target, settings: DistillSettings, eval_questions: dict[str, list[str]], shards: range | None = None,
             min_reply_tokens: int | None = None, batch_size: int = 48, device: str = "cpu",
-            progress: bool = True) -> DistilledData:
-    """Generate (or resume) the distilled shards `shards` (default: all), stopping early
-    once the folder holds `min_reply_tokens` reply tokens. `eval_questions`: every
-    evaluation question's text by suite; training prompts overlapping them are dropped."""
+            progress: bool = True, root: Path | None = None) -> DistilledData:
+    """Generate (or resume) the distilled shards `shards` (default: all) under `root`
+    (default: the user cache), stopping early once the folder holds `min_reply_tokens`
+    reply tokens. `eval_questions`: every evaluation question's text by suite; training
+    prompts overlapping them are dropped. With dtype auto, a folder already begun in the
+    other dtype is continued (one dataset, one dtype, whichever machine resumes it)."""
     dtype = resolve_dtype(settings.dtype, device)
-    folder = distill_dir(target.name, settings, dtype)
+    if settings.dtype == "auto":
+        begun = [d for d in ("float32", "bfloat16")
+                 if (distill_dir(target.name, settings, d, root) / "index.json").exists()]
+        dtype = dtype if dtype in begun or not begun else begun[0]
+    folder = distill_dir(target.name, settings, dtype, root)
     folder.mkdir(parents=True, exist_ok=True)
     index_path = folder / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
@@ -365,9 +399,9 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
 
     for k, rows, seconds in generate_shards(batch, target.tokenizer, work, settings, target.eos_token_ids, bar,
                                             finished, journal):
-        name = f"shard_{k:05d}.jsonl"
+        name = f"shard_{k:05d}.jsonl.gz"
         tmp = folder / ("." + name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as handle:
             for row in rows:
                 handle.write(json.dumps(row, separators=(",", ":")) + "\n")
         os.replace(tmp, folder / name)

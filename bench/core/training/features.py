@@ -191,9 +191,10 @@ def with_distilled_folder(target, data: FeatureData) -> FeatureData:
     if data.distilled:
         DistilledData(Path(data.distilled))  # readable, or a one-line error
         return replace(data, distilled=str(Path(data.distilled).resolve()))
-    root = cache_dir() / "distill" / target.name
+    from bench.core.training.distill import distill_roots
+
     found = []
-    for index in sorted(root.glob("*/index.json")) if root.exists() else []:
+    for index in (i for root in distill_roots() for i in sorted((root / target.name).glob("*/index.json"))):
         folder = DistilledData(index.parent)
         if folder.index.get("target_fingerprint") == target.fingerprint and folder.reply_tokens:
             found.append((folder.reply_tokens, str(index.parent)))
