@@ -22,8 +22,10 @@ Conventions
   for one row or many, and sums that do not depend on their order at bf16's resolution;
   fp32 sums did, for 7 of 20 random 24-node trees) and the GEMM kernel
   picked for large M (here: linears in chunks of at most PACK_ROWS rows on prepacked weights,
-  INVARIANT_ROWS on plain ones, the largest M measured bitwise equal to M = 1;
-  tests/test_engine.py checks it on the machine at hand).
+  INVARIANT_ROWS on plain ones, the largest M measured bitwise equal to M = 1, and prepacked
+  reductions no longer than PACK_K: on an AVX512-BF16 CPU without AMX the packed GEMM over
+  K = 1536 gave rows that changed with M, over K <= 1024 none did; tests/test_engine.py
+  checks it on the machine at hand).
 - Prepacked weights: on the CPU in bf16 the linears run oneDNN's GEMM on weights reordered
   once at load (`F.linear` reorders them on every call, about half a one-token step here).
 """
@@ -47,6 +49,12 @@ VERIFY_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # pass sizes with a fixed sha
 PAD_TOKEN = 0  # token of bucket padding rows (any valid id: nothing in them reaches a real row)
 ROPE_PRECOMPUTED = 131072  # RoPE tables are built once, up to the model's context limit or this
 PACK_ROWS = 32  # bf16 CPU weights are prepacked for GEMMs of this many rows; invariant linears run in such chunks
+PACK_K = 1024  # longer bf16 CPU reductions are split into packed pieces of at most this many columns, summed in fp32
+
+
+def piece_width(columns: int) -> int:
+    """Width of the equal column pieces, none longer than PACK_K, that a packed weight is cut into."""
+    return -(-columns // -(-columns // PACK_K))
 
 
 def aligned(slots: int) -> int:
@@ -249,14 +257,20 @@ class Engine:
         return self._rope_cos[positions], self._rope_sin[positions]
 
     # ------------------------------------------------------- layer pieces
-    def _pack_weights(self) -> dict[int, Tensor]:
+    def _pack_weights(self) -> dict[int, list[Tensor]]:
         """oneDNN-reordered copies of the linear weights (by the id of the plain tensor), for
-        bf16 on the CPU; empty elsewhere (fp32 keeps F.linear: its packed GEMM was no faster
-        and not row-invariant here)."""
+        bf16 on the CPU, each in column pieces of at most PACK_K; empty elsewhere (fp32 keeps
+        F.linear: its packed GEMM was no faster and not row-invariant here)."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return {}
         weights = [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-        return {id(w): torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in [*weights, self.lm_head]}
+
+        def pieces(w: Tensor) -> list[Tensor]:
+            step = piece_width(w.shape[1])
+            return [torch.ops.mkldnn._reorder_linear_weight(w[:, i:i + step].contiguous(), PACK_ROWS)
+                    for i in range(0, w.shape[1], step)]
+
+        return {id(w): pieces(w) for w in [*weights, self.lm_head]}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., d] @ weight.T (+ bias), on the prepacked weight when there is one; during an
@@ -269,13 +283,24 @@ class Engine:
         # 2-D rows: a sliced 3-D input would take the batched-matmul path, which copies the weight.
         rows = x.reshape(-1, x.shape[-1])
         limit = limit or rows.shape[0]
-        if packed is None:
-            parts = [F.linear(rows[i:i + limit], weight, bias) for i in range(0, rows.shape[0], limit)]
-        else:
-            parts = [torch.ops.mkldnn._linear_pointwise(rows[i:i + limit], packed, bias, "none", [], "")
-                     for i in range(0, rows.shape[0], limit)]
+        gemm = F.linear if packed is None else self._packed_gemm
+        parts = [gemm(rows[i:i + limit], packed or weight, bias) for i in range(0, rows.shape[0], limit)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def _packed_gemm(rows: Tensor, pieces: list[Tensor], bias: Tensor | None) -> Tensor:
+        """rows @ W.T on W's packed column pieces: one GEMM, or the pieces' products summed in fp32."""
+        def product(piece: Tensor, columns: Tensor, b: Tensor | None) -> Tensor:
+            return torch.ops.mkldnn._linear_pointwise(columns, piece, b, "none", [], "")
+
+        if len(pieces) == 1:
+            return product(pieces[0], rows, bias)
+        step, total = piece_width(rows.shape[1]), None
+        for n, piece in enumerate(pieces):
+            part = product(piece, rows[:, n * step:(n + 1) * step].contiguous(), bias if n == 0 else None).float()
+            total = part if total is None else total.add_(part)
+        return total.to(rows.dtype)
 
     def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [b, heads, n, head_dim] of x [b, n, d], RoPE applied (cos/sin broadcast
