@@ -45,6 +45,31 @@ def test_batched_greedy_replies_equal_batch1_ar(method, bf16_target, ar_replies,
     assert all(len(r.accept_lengths) == len(r.tree_sizes) > 0 for r in results)
 
 
+@pytest.fixture(scope="module")
+def fp32_ar_replies(default_target):
+    config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(0.0),
+                          eos_token_ids=tuple(default_target.eos_token_ids))
+    prompts = [chat_prompt(default_target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    ar = registry.build_decoder("ar", default_target, {})
+    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("method", LOSSLESS)
+def test_batched_fp32_greedy_replies_equal_batch1_ar_up_to_near_ties(method, default_target, fp32_ar_replies,
+                                                                     one_thread):
+    """fp32 (no invariant path): each request's reply is the batch-1 AR reply, or first
+    differs where the target's top-2 logits are within NEAR_TIE_MARGIN (what a run's audit
+    reports apart as float noise)."""
+    from bench.run import NEAR_TIE_MARGIN, divergence_margin
+
+    config, prompts, expected = fp32_ar_replies
+    decoder = registry.build_decoder(method, default_target, {})
+    for prompt, result, ar in zip(prompts, decoder.run_batch(prompts, config, batch_size=3), expected):
+        if result.tokens != ar:
+            first = next(i for i, (a, b) in enumerate(zip(result.tokens, ar)) if a != b)
+            assert divergence_margin(default_target, prompt, ar[:first]) < NEAR_TIE_MARGIN["float32"], method
+
+
 def test_one_pass_over_ragged_blocks_equals_batch1_passes(bf16_target, one_thread):
     """TargetBatch.forward over slots of different lengths with a chain, a tree and a single
     token gives each row the bits of the engine's batch-1 pass; NaN in stale slots reaches
@@ -143,3 +168,42 @@ def test_load_figure_from_runs_at_two_batch_sizes(tiny_task, tmp_path, one_threa
                                        "--out", str(tmp_path / "plots")])
     assert report.exit_code == 0, report.output
     assert (tmp_path / "plots" / "figures" / "load.png").exists()
+
+
+def test_batched_sampling_follows_the_target_distribution(default_target, one_thread):
+    """Chi-square on the batched path itself (tests/test_lossless_stats.py's test, through
+    decode_batch): a random 8-token target, PLD drafting from a repetitive prompt, 4,000
+    requests at temperature 1 through 8 slots with continuous batching; the first two
+    emitted tokens must follow the target's p(a) p(b | a). The same counts reject a
+    slightly sharpened target (temperature 0.8), so the test can fail."""
+    from pathlib import Path
+
+    from test_engine import engine_for, tiny_model
+    from test_lossless_stats import ALPHA, chi_square_pvalue
+
+    from bench.core.target import Target
+
+    model = tiny_model(seed=3, vocab_size=8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked, context-dependent distributions
+    engine = engine_for(model)
+    target = Target("toy", Path("."), "toy", engine, default_target.tokenizer, model.config)
+    prompt, trials = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], 4000
+    config = DecodeConfig(max_new_tokens=2, sampling=SamplingConfig(1.0), eos_token_ids=())
+    decoder = registry.build_decoder("pld", target, {})
+    generators = [torch.Generator().manual_seed(7_000 + i) for i in range(trials)]
+    results = decoder.run_batch([prompt] * trials, config, batch_size=8, generators=generators)
+    assert sum(r.accept_lengths[0] > 0 for r in results) > trials / 20  # drafts were verified, some accepted
+    assert max(r.load for r in results) == 8
+    counts = torch.zeros(8, 8)
+    for r in results:
+        counts[r.tokens[0], r.tokens[1]] += 1
+
+    def joint(temperature: float) -> torch.Tensor:
+        first = (engine.prefill(torch.tensor(prompt)).logits[-1] / temperature).softmax(-1)
+        rows = [(engine.prefill(torch.tensor(prompt + [a])).logits[-1] / temperature).softmax(-1) for a in range(8)]
+        return first[:, None] * torch.stack(rows)
+
+    assert chi_square_pvalue(counts, joint(1.0)) > ALPHA
+    assert chi_square_pvalue(counts.sum(1), joint(1.0).sum(1)) > ALPHA
+    assert chi_square_pvalue(counts, joint(0.8)) < ALPHA

@@ -13,11 +13,11 @@ from bench.core.errors import BenchError
 TOLERANCE = 1e-4  # max abs logit difference allowed against HF in fp32
 
 
-def tiny_model(model_type: str = "llama", seed: int = 0, **extra):
+def tiny_model(model_type: str = "llama", seed: int = 0, vocab_size: int = 211, **extra):
     """A small random-weight model of a supported family (fast, no files)."""
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
-        model_type, vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False, **extra)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.engine import INVARIANT_ROWS, PAD_TOKEN, Engine, ForwardOutput, aligned, rms_norm
+from bench.core.engine import PAD_TOKEN, Engine, ForwardOutput, aligned, rms_norm
 from bench.core.errors import BenchError
 
 
@@ -93,35 +93,29 @@ class TargetBatch:
         real = torch.tensor([[i < len(block[0]) for i in range(n)] for block in blocks], device=engine.device)
         cos, sin = engine.rope(positions.to(engine.device))
         cos, sin = cos[:, None], sin[:, None]
-        engine._rows_limit = INVARIANT_ROWS if invariant else None
-        try:
-            hidden: dict[int, Tensor] = {}
+        keep = real[:, None, :, None]
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)  # padding K/V: zeros, whatever they held
+            rows = []
+            for r, (s, start, span) in enumerate(zip(slots, starts, spans)):
+                self.k[i, s, :, start:start + n] = k[r]
+                self.v[i, s, :, start:start + n] = v[r]
+                keys, values = self.k[i, s:s + 1, :, :span], self.v[i, s:s + 1, :, :span]
+                if invariant:
+                    rows.append(engine.invariant_attention(q[r:r + 1], keys, values, visible[r]))
+                else:
+                    rows.append(F.scaled_dot_product_attention(q[r:r + 1], keys, values, attn_mask=visible[r],
+                                                               scale=engine.scale, enable_gqa=True))
+            return torch.cat(rows)
+
+        with engine.rows_limited(invariant):
             x = F.embedding(tokens.to(engine.device), engine.embed)  # [b, n, d]
-            if 0 in taps:
-                hidden[0] = x
-            for i, layer in enumerate(engine.layers):
-                q, k, v = engine.attention_inputs(layer, x, cos, sin)
-                keep = real[:, None, :, None]
-                k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)  # padding K/V: zeros, whatever they held
-                rows = []
-                for r, (s, start, span) in enumerate(zip(slots, starts, spans)):
-                    self.k[i, s, :, start:start + n] = k[r]
-                    self.v[i, s, :, start:start + n] = v[r]
-                    keys, values = self.k[i, s:s + 1, :, :span], self.v[i, s:s + 1, :, :span]
-                    if invariant:
-                        rows.append(engine.invariant_attention(q[r:r + 1], keys, values, visible[r]))
-                    else:
-                        rows.append(F.scaled_dot_product_attention(q[r:r + 1], keys, values, attn_mask=visible[r],
-                                                                   scale=engine.scale, enable_gqa=True))
-                x = engine.attention_output_and_mlp(layer, x, torch.cat(rows))
-                if i + 1 in taps and i + 1 < engine.num_layers:
-                    hidden[i + 1] = x
+            x, hidden = engine.decoder_layers(x, cos, sin, attend, taps)
             x = rms_norm(x, engine.final_norm, engine.eps)
             if engine.num_layers in taps:
                 hidden[engine.num_layers] = x
             logits = engine.linear(x, engine.lm_head).float()
-        finally:
-            engine._rows_limit = None
         outputs = []
         for r, (s, start, block) in enumerate(zip(slots, starts, blocks)):
             m = len(block[0])

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -345,6 +347,28 @@ class Engine:
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).view(1, self.num_kv_heads, group * n, span)
         return torch.matmul(probs, values).view(1, heads, n, dim).to(q.dtype)
 
+    @contextmanager
+    def rows_limited(self, invariant: bool) -> Iterator[None]:
+        """Inside: an invariant pass, whose linears run in row chunks a one-row pass shares."""
+        self._rows_limit = INVARIANT_ROWS if invariant else None
+        try:
+            yield
+        finally:
+            self._rows_limit = None
+
+    def decoder_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor],
+                       taps: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """Every decoder layer over x [b, n, d]; attend(layer index, q, k, v) stores the layer's
+        K/V where the caller keeps them and returns its attention output. Returns the last
+        layer's output (before the final norm) and the tapped hidden states below it."""
+        hidden = {0: x} if 0 in taps else {}
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
+            x = self.attention_output_and_mlp(layer, x, attend(i, q, k, v))
+            if i + 1 in taps and i + 1 < self.num_layers:
+                hidden[i + 1] = x
+        return x, hidden
+
     # --------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
@@ -410,37 +434,30 @@ class Engine:
             self.cache.v[:, :, :, total:span] = 0
             visible = torch.zeros(n, span, dtype=torch.bool, device=self.device)
             visible[:, :total] = mask if mask is not None else True  # n == 1 without a mask sees everything
-        self._rows_limit = INVARIANT_ROWS if invariant else None
-        hidden: dict[int, Tensor] = {}
-        x = F.embedding(tokens, self.embed)[None]  # [1, n, d]
-        if 0 in taps:
-            hidden[0] = x[0, :real]
         k_cache, v_cache = self.cache.k, self.cache.v
-        for i, layer in enumerate(self.layers):
-            q, k, v = self.attention_inputs(layer, x, cos, sin)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if real < n:
                 k[:, :, real:], v[:, :, real:] = 0, 0
             k_cache[i, :, :, start:total] = k
             v_cache[i, :, :, start:total] = v
             if invariant:
-                attn = self.invariant_attention(q, k_cache[i, :, :, :span], v_cache[i, :, :, :span], visible)
+                return self.invariant_attention(q, k_cache[i, :, :, :span], v_cache[i, :, :, :span], visible)
+            keys, values = (k, v) if start == 0 else (k_cache[i, :, :, :total], v_cache[i, :, :, :total])
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
+                                                  scale=self.scale, enable_gqa=True)
+
+        with self.rows_limited(invariant):
+            x, hidden = self.decoder_layers(F.embedding(tokens, self.embed)[None], cos, sin, attend, taps)
+            hidden = {t: h[0, :real] for t, h in hidden.items()}
+            x = rms_norm(x[:, :real], self.final_norm, self.eps)[0]
+            if self.num_layers in taps:
+                hidden[self.num_layers] = x
+            if isinstance(logits_rows, str):
+                rows = {"all": x, "last": x[-1:], "none": x[:0]}[logits_rows]
             else:
-                keys, values = (k, v) if start == 0 else (k_cache[i, :, :, :total], v_cache[i, :, :, :total])
-                attn = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask,
-                    is_causal=is_causal, scale=self.scale, enable_gqa=True)
-            x = self.attention_output_and_mlp(layer, x, attn)
-            if i + 1 in taps and i + 1 < self.num_layers:
-                hidden[i + 1] = x[0, :real]
-        x = rms_norm(x[:, :real], self.final_norm, self.eps)[0]
-        if self.num_layers in taps:
-            hidden[self.num_layers] = x
-        if isinstance(logits_rows, str):
-            rows = {"all": x, "last": x[-1:], "none": x[:0]}[logits_rows]
-        else:
-            rows = x[logits_rows.to(self.device)]
-        logits = self.linear(rows[None], self.lm_head)[0].float()
-        self._rows_limit = None
+                rows = x[logits_rows.to(self.device)]
+            logits = self.linear(rows[None], self.lm_head)[0].float()
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def prefill(self, tokens: Tensor, taps: tuple[int, ...] = (), logits_rows: str = "last",
