@@ -45,14 +45,16 @@ report: $(STAMP)
 # suite (bench/grid.py states the sizes, a few hours on 2 CPU cores); FULL=1: every question,
 # 256 new tokens, tag `full`; REPEATS=N: N whole passes (pass k > 1 under tag `grid.rep<k>`), so
 # each speedup has its spread over passes. Then the sampled series: every method at temperature 1
-# (tag `grid-t1`, report in plots/sampled/).
+# (tag `grid-t1`, report in plots/sampled/), and the load sweep (make load-sweep, tags load<B>), drawn in
+# plots/report.html beside the grid (--load-tag).
 GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 REPEATS ?= 1
 all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --repeats $(REPEATS)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --temperature 1   # the sampled series, tag $(GRID_TAG)-t1
 	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
-	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme
+	$(MAKE) load-sweep
+	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b))
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
 # Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
@@ -86,13 +88,14 @@ budget-sweep: $(STAMP)
 	    --tag budget$$k --method $$m --budget $$k || exit 1; done; done
 	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
 
-# Issue-16 load figure: methods at batch sizes LOAD_BATCHES (bench run --batch-size, the AR baseline at
-# the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions; then plots/load/report.html
-# (figure `load`: speedup and total throughput against batch size).
-LOAD_BATCHES ?= 1 2 4 8
-LOAD_METHODS ?= pld eagle3 dflash ddtree
-LOAD_LIMIT ?= 8
-LOAD_TOKENS ?= 128
+# Issue-16 load figure: every batchable method at batch sizes LOAD_BATCHES (bench run --batch-size, the AR
+# baseline at the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions; then
+# plots/load/report.html (figure `load`: speedup and total throughput against batch size); `make all-results`
+# draws it in plots/report.html too (--load-tag).
+LOAD_BATCHES ?= 1 2 4 8 16
+LOAD_METHODS ?= pld lookahead sps specinfer medusa mtp eagle eagle2 eagle3 dflash ddtree dspark
+LOAD_LIMIT ?= 16
+LOAD_TOKENS ?= 64
 load-sweep: $(STAMP)
 	for b in $(LOAD_BATCHES); do for m in $(LOAD_METHODS); do \
 	  $(BIN)/bench run --task mtbench --limit $(LOAD_LIMIT) --max-new-tokens $(LOAD_TOKENS) \

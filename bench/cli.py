@@ -313,7 +313,10 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
 @click.option("--out", "out_dir", default="plots", show_default=True, help="folder for report.html, figures/, tables/")
 @click.option("--readme", is_flag=True,
               help="also rewrite the generated blocks: the headline in README.md, the references in results/README.md")
-def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
+@click.option("--load-tag", "load_tags", multiple=True,
+              help="a load sweep's series (make load-sweep: load1, load2, ...) drawn in the load figure only, "
+                   "beside the selection's tables (repeatable)")
+def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tags) -> None:
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path
 
@@ -321,7 +324,7 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme) -> None:
     from bench.tables import display_table, to_markdown
 
     result = make_report(Path(results_dir), Path(out_dir), targets, tasks, methods, tags,
-                         Path("README.md") if readme else None)
+                         Path("README.md") if readme else None, load_tags=load_tags)
     click.echo(to_markdown(display_table(result["tables"].overall)))
     for problem in result["problems"]:
         click.echo(f"{problem.kind}: {problem.where}: {problem.detail}", err=True)

@@ -407,7 +407,10 @@ def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
     return _save(fig, out, name, title, "pynvml samples every 0.2 s while each turn decodes.")
 
 
-def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | Skipped]:
+def make_figures(records: Records, tables: Tables, out: Path,
+                 load: pd.DataFrame | None = None) -> list[Figured | Skipped]:
+    """Every figure from the selection's tables; `load`: a load sweep's per-task rows, drawn
+    in the load figure instead of the selection's."""
     out = Path(out) / "figures"
     per_task, overall = tables.per_task, tables.overall
     if per_task.empty:
@@ -421,5 +424,6 @@ def make_figures(records: Records, tables: Tables, out: Path) -> list[Figured | 
     else:
         figures = [speedup_by_task(per_task, overall, out), acceptance_decay(per_task, overall, out),
                    accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out),
-                   tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out), load_sweep(per_task, out)]
+                   tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out),
+                   load_sweep(per_task if load is None else load, out)]
     return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]

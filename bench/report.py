@@ -56,14 +56,22 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
 
 def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tasks: tuple[str, ...] = (),
                 methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None,
-                results_readme: Path | None = None) -> dict:
+                results_readme: Path | None = None, load_tags: tuple[str, ...] = ()) -> dict:
     """Tables, figures and report.html under `out`. With `readme`, also its headline block, and
-    the other blocks into `results_readme` (default: results/README.md beside `readme`)."""
+    the other blocks into `results_readme` (default: results/README.md beside `readme`).
+    `load_tags`: a load sweep's series, drawn in the load figure only (not in the tables)."""
     records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tags or None)
     tables = build_tables(records)
+    load = None
+    if load_tags:
+        load_records_ = load_records(Path(results_dir), targets or None, tasks or None, methods or None, load_tags)
+        load = build_tables(load_records_).per_task
+        records.problems.extend(load_records_.problems)
     out = Path(out)
     selection = {"results": str(results_dir), "target": list(targets) or "all", "task": list(tasks) or "all",
                  "method": list(methods) or "all", "tag": list(tags) or "all"}
+    if load_tags:
+        selection["load figure"] = list(load_tags)
     # Everything is written into a folder beside `out` first and moved in file by file once
     # whole, so a full disk or an unwritable folder leaves `out` as it was (and one line).
     stage = out.parent / f".{out.name}.partial"
@@ -73,7 +81,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         written = write_tables(tables, stage, records)
-        figures = make_figures(records, tables, stage)
+        figures = make_figures(records, tables, stage, load)
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
         write_html(stage / "report.html", render(records, tables, figures, selection))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):

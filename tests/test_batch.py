@@ -168,6 +168,18 @@ def test_load_figure_from_runs_at_two_batch_sizes(tiny_task, tmp_path, one_threa
                                        "--out", str(tmp_path / "plots")])
     assert report.exit_code == 0, report.output
     assert (tmp_path / "plots" / "figures" / "load.png").exists()
+    # The main report: another series' tables, the load sweep drawn beside them (--load-tag).
+    result = CliRunner().invoke(main, ["run", "--method", "pld", "--task", str(tiny_task), "--max-new-tokens", "6",
+                                       "--dtype", "bfloat16", "--results-dir", str(tmp_path / "r"), "--tag", "grid"])
+    assert result.exit_code == 0, result.output
+    main_report = CliRunner().invoke(main, ["report", "--results", str(tmp_path / "r"), "--tag", "grid",
+                                            "--load-tag", "load1", "--load-tag", "load2", "--out",
+                                            str(tmp_path / "main")])
+    assert main_report.exit_code == 0, main_report.output
+    html = (tmp_path / "main" / "report.html").read_text()
+    assert (tmp_path / "main" / "figures" / "load.png").exists() and "load1" in html
+    tables = (tmp_path / "main" / "tables" / "per_task.csv").read_text()
+    assert "load1" not in tables and "grid" in tables
 
 
 def test_batched_sampling_follows_the_target_distribution(default_target, one_thread):
