@@ -66,3 +66,15 @@ def test_stop_rules(default_target):
                      DecodeConfig(64, eos_token_ids=eos, stop_strings=(stop,)), tokenizer=tokenizer)
     assert stopped.stop_reason == "stop_string" and stop in tokenizer.decode(stopped.tokens)
     assert stopped.tokens == full.tokens[: len(stopped.tokens)]
+
+
+def test_an_eos_accepted_past_max_new_tokens_is_not_kept():
+    """A round may accept tokens past the budget; an EOS among them must not lengthen the
+    turn (AR stops at max_new_tokens; found as a 65-token PLD reply against AR's 64)."""
+    from bench.core.decode import _StopRule
+
+    rule = _StopRule(DecodeConfig(4, eos_token_ids=(0,)), None)
+    assert rule.cut([5, 6, 7, 8, 0, 9], new_from=2) == (4, "length")
+    assert rule.cut([5, 6, 7, 0, 9, 9], new_from=2) == (4, "eos")
+    assert rule.cut([5, 6, 0], new_from=0) == (3, "eos")
+    assert rule.cut([5, 6], new_from=0) == (2, None)

@@ -111,12 +111,14 @@ class _StopRule:
         self.eos = set(config.eos_token_ids)
 
     def cut(self, generated: list[int], new_from: int) -> tuple[int, str | None]:
-        """Length to keep and why the turn ends (None: it goes on)."""
-        for i in range(new_from, len(generated)):
+        """Length to keep and why the turn ends (None: it goes on). Tokens a round accepted
+        past max_new_tokens are never looked at: AR would not have produced them."""
+        limit = min(len(generated), self.config.max_new_tokens)
+        for i in range(new_from, limit):
             if generated[i] in self.eos:
                 return i + 1, "eos"
         if self.config.stop_strings and self.tokenizer is not None:
-            for i in range(new_from, len(generated)):  # earliest token completing a stop string
+            for i in range(new_from, limit):  # earliest token completing a stop string
                 tail = self.tokenizer.decode(generated[max(0, i - 16): i + 1])
                 if any(s in tail for s in self.config.stop_strings):
                     return i + 1, "stop_string"
