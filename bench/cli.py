@@ -197,6 +197,28 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
 
 
 @main.command()
+@click.option("--drop-tap", "drop", type=int, multiple=True,
+              help="delete this layer's states from the cache (repeatable; re-extracted when a method asks)")
+@click.option("--cache", "folder", default=None, help="with --drop-tap: the cache folder (needed when several exist)")
+def features(drop, folder) -> None:
+    """The cached target features (bench train extracts them): tokens, taps, size; --drop-tap
+    frees the disk of layers the next training run does not read."""
+    from pathlib import Path
+
+    from bench.core.training.features import FeatureStore, describe_cache, drop_taps, feature_caches
+
+    caches = [FeatureStore(Path(folder))] if folder else feature_caches()
+    if drop:
+        if len(caches) != 1:
+            raise BenchError(f"{len(caches)} feature caches: name one with --cache FOLDER (`bench features` lists them)")
+        caches = [drop_taps(caches[0], tuple(drop))]
+    for store in caches:
+        click.echo(describe_cache(store))
+    if not caches:
+        click.echo("no feature cache: `bench train` extracts one")
+
+
+@main.command()
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True,

@@ -46,6 +46,27 @@ def test_features_equal_a_fresh_forward_and_resume(default_target, cache, one_th
         extended.load((9,))
 
 
+def test_dropped_taps_free_the_disk_and_come_back_on_demand(default_target, cache, one_thread):
+    """`bench features --drop-tap`: the layer's file is deleted; a run asking for it again
+    re-extracts it with the same bits; bad input is one line, exit 2."""
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    data = FeatureData(max_tokens=300, max_len=128)
+    store = ensure_features(default_target, (2, 30), data, progress=False)
+    before = store.load((2,))["h2"].clone()
+    listed = CliRunner().invoke(main, ["features"])
+    assert listed.exit_code == 0 and "taps [2, 30]" in listed.output and "GiB" in listed.output
+    dropped = CliRunner().invoke(main, ["features", "--drop-tap", "2"])
+    assert dropped.exit_code == 0, dropped.output
+    assert "taps [30]" in dropped.output and not features_module.tap_file(store.folder, 2).exists()
+    again = ensure_features(default_target, (2,), data, progress=False)
+    assert again.taps == (2, 30) and torch.equal(again.load((2,))["h2"], before)
+    refused = CliRunner().invoke(main, ["features", "--drop-tap", "7"])
+    assert refused.exit_code == 2 and "has no tap 7" in refused.output and refused.output.count("\n") == 1
+
+
 def test_other_target_weights_are_refused(default_target, cache):
     data = FeatureData(max_tokens=300, max_len=128)
     folder = features_dir(default_target, data)

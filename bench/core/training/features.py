@@ -148,6 +148,33 @@ class FeatureStore:
         return out
 
 
+def feature_caches() -> list[FeatureStore]:
+    """Every feature cache in the user cache."""
+    root = cache_dir() / "features"
+    return [FeatureStore(index.parent) for index in sorted(root.glob("*/*/index.json"))] if root.exists() else []
+
+
+def describe_cache(store: FeatureStore) -> str:
+    size = sum(p.stat().st_size for p in store.folder.iterdir() if p.is_file())
+    state = "done" if store.index.get("done") else "partial"
+    return (f"{store.folder}: {store.num_tokens} tokens ({state}), taps {list(store.taps)}, "
+            f"{size / 2**30:.2f} GiB")
+
+
+def drop_taps(store: FeatureStore, taps: tuple[int, ...]) -> FeatureStore:
+    """Delete the state files of `taps` (the index first, so an interruption leaves a cache
+    that merely re-extracts them): a method asking for them again adds them back with one
+    target pass. How runs at scale keep the disk to the taps of the method in training."""
+    unknown = [t for t in taps if t not in store.taps]
+    if unknown:
+        raise BenchError(f"feature cache {store.folder} has no tap {unknown[0]} (it has {list(store.taps)})")
+    index = dict(store.index, taps=[t for t in store.taps if t not in taps])
+    write_json(store.folder / "index.json", index)
+    for tap in taps:
+        tap_file(store.folder, tap).unlink(missing_ok=True)
+    return FeatureStore(store.folder)
+
+
 # ------------------------------------------------------------------ extraction
 def _conversations(target, data: FeatureData, skip: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """(tokens, loss_mask) of training conversations, in a fixed order, from the
