@@ -210,7 +210,7 @@ def features(drop, folder) -> None:
     caches = [FeatureStore(Path(folder))] if folder else feature_caches()
     if drop:
         if len(caches) != 1:
-            raise BenchError(f"{len(caches)} feature caches: name one with --cache FOLDER (`bench features` lists them)")
+            raise BenchError(f"{len(caches)} feature caches: name one with --cache FOLDER (bench features lists them)")
         caches = [drop_taps(caches[0], tuple(drop))]
     for store in caches:
         click.echo(describe_cache(store))
