@@ -6,7 +6,9 @@ Three parts, each printed as a table and returned as JSON rows:
 - lossless: greedy `pld` and `lookahead` reproduce `ar`'s tokens on CUDA in fp32; a
   divergence is classed as a near tie (top-2 margin under 1e-4) or a real mismatch.
   A sampled (T=1) pld run exercises the Triton verification path inside the loop.
-- profile: t_v(k) for chains k=1..64 and top-2 trees, per shape (bench.profile).
+- profile: t_v(k) for chains k=1..64 and top-2 trees, per shape (bench.profile), eager and
+  through the static passes (bench.core.static: one CUDA graph per row bucket, the
+  default on CUDA), with the two paths' logits compared.
 - loop speed: `ar` and `pld` tokens/s through the shared loop, interleaved. Random
   weights make acceptance meaningless; the numbers show the loop's overhead per round
   and what a verification pass costs against a one-token step.
@@ -110,6 +112,25 @@ def loop_speed(engine, prompts: int = 2, max_new_tokens: int = 128, repeats: int
     return rows
 
 
+def static_agreement(engine, context: int = 300) -> dict:
+    """Chains of 1-64 rows after `context` tokens, eager against static (captured on CUDA):
+    largest logit difference and whether every row's argmax agrees."""
+    generator = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, engine.vocab_size, (context,), generator=generator)
+    worst, same = 0.0, True
+    for k in (1, 3, 8, 16, 33, 64):
+        tokens = torch.randint(0, engine.vocab_size, (k,), generator=generator).to(engine.device)
+        logits = []
+        for static in (False, True):
+            engine.static = static
+            engine.prefill(prefix, logits_rows="none", capacity=1024)
+            logits.append(engine.forward(tokens).logits.float())
+        worst = max(worst, float((logits[0] - logits[1]).abs().max()))
+        same &= bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))
+    engine.static = engine.device.type == "cuda"
+    return {"max_abs_logit_diff": worst, "argmax_equal": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_loop", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
@@ -136,10 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         dtype = torch.float32 if shape == "smollm2-135m" else torch.bfloat16
         engine = random_engine(shape, device, dtype, logit_scale=8.0)
+        agreement = static_agreement(engine)
+        engine.static = False  # eager passes first, then the captured graphs (the CUDA default)
+        eager = verify_latency(engine, tree_sizes=(16, 32, 64))
+        engine.static = device.type == "cuda"
         profile = verify_latency(engine, tree_sizes=(16, 32, 64))
         speed = loop_speed(engine)
-        report["shapes"][shape] = {"dtype": str(dtype), "profile": profile, "loop": speed}
-        print(f"\n== {shape} ({dtype}), t_v(k) at context {profile['context']}")
+        report["shapes"][shape] = {"dtype": str(dtype), "profile": profile, "eager_profile": eager,
+                                   "static_agreement": agreement, "loop": speed}
+        print(f"\n== {shape} ({dtype}), static passes against eager: {agreement}")
+        print(f"t_v(k) at context {profile['context']}, eager:")
+        print(format_profile(eager))
+        print("static (one CUDA graph per bucket):")
         print(format_profile(profile))
         for row in speed:
             print(f"{row['method']:<4} {row['tok_s_median']:8.1f} tok/s  ratio to ar {row['ratio_median']:.3f} "
