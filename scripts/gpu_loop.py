@@ -112,6 +112,31 @@ def loop_speed(engine, prompts: int = 2, max_new_tokens: int = 128, repeats: int
     return rows
 
 
+def host_syncs_per_round(engine, max_new_tokens: int = 64) -> dict[str, float]:
+    """Synchronizing CUDA calls (torch.cuda.set_sync_debug_mode warns on each) per decode
+    round, for ar and pld on a repetitive prompt; the prefill's own are left out."""
+    import warnings
+
+    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(0.0))
+    prompt = repetitive_prompt(engine.vocab_size, 7)
+    counts = {}
+    for name, drafter in drafters().items():
+        decode(engine, drafter, prompt, config)  # warm: graphs captured, kernels chosen
+        with warnings.catch_warnings(record=True) as short_log:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            short = decode(engine, drafter, prompt, DecodeConfig(max_new_tokens=1, sampling=SamplingConfig(0.0)))
+            torch.cuda.set_sync_debug_mode("default")
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            result = decode(engine, drafter, prompt, config)
+            torch.cuda.set_sync_debug_mode("default")
+        rounds = len(result.accept_lengths) - len(short.accept_lengths)
+        counts[name] = (len(log) - len(short_log)) / max(1, rounds)
+    return counts
+
+
 def static_agreement(engine, context: int = 300) -> dict:
     """Chains of 1-64 rows after `context` tokens, eager against static (captured on CUDA):
     largest logit difference and whether every row's argmax agrees."""
@@ -163,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.static = device.type == "cuda"
         profile = verify_latency(engine, tree_sizes=(16, 32, 64))
         speed = loop_speed(engine)
+        syncs = host_syncs_per_round(engine) if device.type == "cuda" else {}
         report["shapes"][shape] = {"dtype": str(dtype), "profile": profile, "eager_profile": eager,
-                                   "static_agreement": agreement, "loop": speed}
+                                   "static_agreement": agreement, "loop": speed, "host_syncs_per_round": syncs}
+        print(f"host syncs per round: {syncs}")
         print(f"\n== {shape} ({dtype}), static passes against eager: {agreement}")
         print(f"t_v(k) at context {profile['context']}, eager:")
         print(format_profile(eager))
