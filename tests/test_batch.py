@@ -24,13 +24,17 @@ def bf16_target():
     return load_target(None, device="cpu", dtype="bfloat16")
 
 
+def _ar_replies(target):
+    """The greedy config, the QUESTIONS' prompts and batch-1 AR's replies to them."""
+    config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(0.0), eos_token_ids=tuple(target.eos_token_ids))
+    prompts = [chat_prompt(target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    ar = registry.build_decoder("ar", target, {})
+    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def ar_replies(bf16_target):
-    config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(0.0),
-                          eos_token_ids=tuple(bf16_target.eos_token_ids))
-    prompts = [chat_prompt(bf16_target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    ar = registry.build_decoder("ar", bf16_target, {})
-    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+    return _ar_replies(bf16_target)
 
 
 @pytest.mark.parametrize("method", LOSSLESS)
@@ -47,11 +51,7 @@ def test_batched_greedy_replies_equal_batch1_ar(method, bf16_target, ar_replies,
 
 @pytest.fixture(scope="module")
 def fp32_ar_replies(default_target):
-    config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(0.0),
-                          eos_token_ids=tuple(default_target.eos_token_ids))
-    prompts = [chat_prompt(default_target.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    ar = registry.build_decoder("ar", default_target, {})
-    return config, prompts, [ar.run_turn(p, config).tokens for p in prompts]
+    return _ar_replies(default_target)
 
 
 @pytest.mark.parametrize("method", LOSSLESS)
