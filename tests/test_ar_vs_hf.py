@@ -17,7 +17,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def _check_suite(task: str, limit: int, max_new_tokens: int, tmp_path, default_target) -> None:
     settings = RunSettings(method="hf", task=task, limit=limit, max_new_tokens=max_new_tokens,
-                           results_dir=str(tmp_path), device="cpu")
+                           results_dir=str(tmp_path), device="cpu", dtype="float32")  # exact vs HF: fp32
     summary = run(settings)
     from bench.records import read_records
 

@@ -104,6 +104,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _mark(device: torch.device):
+    """A point in time: perf_counter on the CPU; on CUDA an event recorded on the stream,
+    read only when the reply ends (timing adds no host sync to a round)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+class _Clock:
+    """A reply's draft and verify time: spans between marks, summed at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.spans: dict[str, list] = {"draft": [], "verify": []}
+
+    def add(self, phase: str, start) -> None:
+        self.spans[phase].append((start, _mark(self.device)))
+
+    def seconds(self, phase: str) -> float:
+        if self.device.type != "cuda":
+            return sum(end - start for start, end in self.spans[phase])
+        _sync(self.device)
+        return sum(start.elapsed_time(end) for start, end in self.spans[phase]) / 1e3
+
+
 class _StopRule:
     def __init__(self, config: DecodeConfig, tokenizer) -> None:
         self.config = config
@@ -143,12 +170,12 @@ class _Request:
         self.proposed: list[int] = []
         self.accepted: list[int] = []
         self.sizes: list[int] = []
-        self.draft_time = self.verify_time = 0.0
+        self.clock = _Clock(engine.device)
         self.keep, self.reason = self.stop.cut(self.state.generated, 0)
         if self.reason is None:
+            began = _mark(engine.device)
             drafter.begin(self.state, prefill)
-            _sync(engine.device)
-            self.draft_time += time.perf_counter() - self.first_at
+            self.clock.add("draft", began)
 
     @property
     def done(self) -> bool:
@@ -156,37 +183,35 @@ class _Request:
 
     def propose(self) -> tuple[Draft, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """The round's draft and its verification block (tokens, positions, mask)."""
-        t0 = time.perf_counter()
+        started = _mark(self.state.engine.device)
         draft = self.drafter.propose(self.state)
-        _sync(self.state.engine.device)
-        self.draft_time += time.perf_counter() - t0
+        self.clock.add("draft", started)
         return draft, draft.verify_inputs(self.state.root, 0)
 
-    def settle(self, draft: Draft, out: ForwardOutput, keep, pass_started: float) -> None:
+    def settle(self, draft: Draft, out: ForwardOutput, keep, pass_started) -> None:
         """Accept from the pass's logits, keep the accepted K/V rows (`keep(rows)`), learn.
-        Verification time: from `pass_started` (the target pass) to the kept cache."""
+        Verification time: from `pass_started` (a _mark before the target pass) to the kept cache."""
         verdict = self.drafter.verify(draft, out.logits[: len(draft) + 1], self.config.sampling, self.generator)
         rows = [0] + [node + 1 for node in verdict.accepted]
         keep(rows)
-        _sync(self.state.engine.device)
-        self.verify_time += time.perf_counter() - pass_started
+        self.clock.add("verify", pass_started)
         before = len(self.state.generated)
         self.state.tokens += [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         self.proposed.append(max(draft.depths(), default=0))
         self.accepted.append(len(verdict.accepted))
         self.sizes.append(len(draft))
         self.keep, self.reason = self.stop.cut(self.state.generated, before)
-        t3 = time.perf_counter()
+        learned = _mark(self.state.engine.device)
         if self.reason is None:
             self.drafter.learn(self.state, draft, verdict, out, rows)
-        _sync(self.state.engine.device)
-        self.draft_time += time.perf_counter() - t3
+        self.clock.add("draft", learned)
 
     def result(self) -> TurnResult:
+        _sync(self.state.engine.device)
         return TurnResult(
             tokens=self.state.generated[:self.keep], stop_reason=self.reason, ttft=self.first_at - self.started,
-            decode_time=time.perf_counter() - self.first_at, draft_time=self.draft_time,
-            verify_time=self.verify_time, proposed_lengths=self.proposed, accept_lengths=self.accepted,
+            decode_time=time.perf_counter() - self.first_at, draft_time=self.clock.seconds("draft"),
+            verify_time=self.clock.seconds("verify"), proposed_lengths=self.proposed, accept_lengths=self.accepted,
             tree_sizes=self.sizes)
 
 
@@ -200,7 +225,7 @@ def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeCo
     request = _Request(drafter, prompt, prefill, config, engine, generator, tokenizer, started)
     while not request.done:
         draft, (tokens, positions, mask) = request.propose()
-        t1 = time.perf_counter()
+        t1 = _mark(engine.device)
         start = engine.length
         out = engine.forward(tokens, positions + start, mask, taps=drafter.taps)
         request.settle(draft, out, partial(engine.keep, start), t1)
@@ -249,7 +274,7 @@ def decode_batch(engine: Engine, drafters: list[Drafter], prompts: list[list[int
         slots = sorted(live)
         proposals = [live[slot][1].propose() for slot in slots]
         starts = [batch.lengths[slot] for slot in slots]
-        pass_started = time.perf_counter()
+        pass_started = _mark(engine.device)
         outputs = batch.forward(slots, [block for _, block in proposals], taps)
         for slot, start, (draft, _), out in zip(slots, starts, proposals, outputs):
             index, request = live[slot]
