@@ -89,16 +89,17 @@ budget-sweep: $(STAMP)
 	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
 
 # Issue-16 load figure: every batchable method at batch sizes LOAD_BATCHES (bench run --batch-size, the AR
-# baseline at the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions; then
+# baseline at the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions (at least B, so
+# the batch fills); then
 # plots/load/report.html (figure `load`: speedup and total throughput against batch size); `make all-results`
 # draws it in plots/report.html too (--load-tag).
-LOAD_BATCHES ?= 1 2 4 8 16
+LOAD_BATCHES ?= 1 2 4 8 16 32
 LOAD_METHODS ?= pld lookahead sps specinfer medusa mtp eagle eagle2 eagle3 dflash ddtree dspark
 LOAD_LIMIT ?= 16
 LOAD_TOKENS ?= 64
 load-sweep: $(STAMP)
 	for b in $(LOAD_BATCHES); do for m in $(LOAD_METHODS); do \
-	  $(BIN)/bench run --task mtbench --limit $(LOAD_LIMIT) --max-new-tokens $(LOAD_TOKENS) \
+	  $(BIN)/bench run --task mtbench --limit $$(( $$b > $(LOAD_LIMIT) ? $$b : $(LOAD_LIMIT) )) --max-new-tokens $(LOAD_TOKENS) \
 	    --batch-size $$b --tag load$$b --method $$m || exit 1; done; done
 	$(BIN)/bench report --task mtbench $(foreach b,$(LOAD_BATCHES),--tag load$(b)) --out plots/load
 
