@@ -71,6 +71,15 @@ def offline(monkeypatch, tmp_path) -> list[str]:
     return requested
 
 
+@pytest.fixture(autouse=True)
+def no_shipped_distilled_data(monkeypatch):
+    """Tests make their own distilled data: the project's (methods/distilled/, growing while a
+    distillation runs) would otherwise be found by the trainers and the feature extraction."""
+    from bench.core.training import distill
+
+    monkeypatch.setattr(distill, "SHIPPED_ROOTS", [])
+
+
 @pytest.fixture
 def one_thread():
     """Thousands of tiny forwards: intra-op threads only add contention."""
