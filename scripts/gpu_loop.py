@@ -30,6 +30,7 @@ import torch
 from bench.core.costs import format_profile, random_engine, verify_latency
 from bench.core.decode import DecodeConfig, Drafter, decode
 from bench.core.sampling import SamplingConfig
+from bench.core.static import enable_static
 
 NEAR_TIE = 1e-4
 
@@ -147,12 +148,12 @@ def static_agreement(engine, context: int = 300) -> dict:
         tokens = torch.randint(0, engine.vocab_size, (k,), generator=generator).to(engine.device)
         logits = []
         for static in (False, True):
-            engine.static = static
+            enable_static(engine, static)
             engine.prefill(prefix, logits_rows="none", capacity=1024)
             logits.append(engine.forward(tokens).logits.float())
         worst = max(worst, float((logits[0] - logits[1]).abs().max()))
         same &= bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))
-    engine.static = engine.device.type == "cuda"
+    enable_static(engine, engine.device.type == "cuda")
     return {"max_abs_logit_diff": worst, "argmax_equal": same}
 
 
@@ -183,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = torch.float32 if shape == "smollm2-135m" else torch.bfloat16
         engine = random_engine(shape, device, dtype, logit_scale=8.0)
         agreement = static_agreement(engine)
-        engine.static = False  # eager passes first, then the captured graphs (the CUDA default)
+        enable_static(engine, False)  # eager passes first, then the captured graphs (the CUDA default)
         eager = verify_latency(engine, tree_sizes=(16, 32, 64))
-        engine.static = device.type == "cuda"
+        enable_static(engine, device.type == "cuda")
         profile = verify_latency(engine, tree_sizes=(16, 32, 64))
         speed = loop_speed(engine)
         syncs = host_syncs_per_round(engine) if device.type == "cuda" else {}

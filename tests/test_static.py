@@ -11,8 +11,9 @@ import torch
 import bench.registry as registry
 from bench.core.decode import DecodeConfig
 from bench.core.draft import Draft
-from bench.core.engine import VERIFY_BUCKETS, Engine
+from bench.core.engine import Engine
 from bench.core.sampling import SamplingConfig
+from bench.core.static import enable_static
 from bench.core.target import chat_prompt, load_state_dict
 
 
@@ -20,9 +21,7 @@ from bench.core.target import chat_prompt, load_state_dict
 def engines(default_target):
     state = load_state_dict(default_target.path)
     dynamic = Engine(default_target.config, state)
-    static = Engine(default_target.config, state)
-    static.static, static.buckets = True, VERIFY_BUCKETS
-    return dynamic, static
+    return dynamic, enable_static(Engine(default_target.config, state))
 
 
 def test_static_passes_equal_the_dynamic_ones(engines, default_target, one_thread):
@@ -44,7 +43,7 @@ def test_static_passes_equal_the_dynamic_ones(engines, default_target, one_threa
         assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1)), k
         assert all(torch.allclose(a.hidden[t], b.hidden[t], atol=1e-4) for t in (5, 30))
         assert torch.allclose(ka, kb, atol=1e-4)
-    assert {rows for rows, _ in static._static_passes} == {1, 4, 16, 24, 48}  # 70 rows: past the buckets
+    assert {rows for rows, _ in static.static_passes.passes} == {1, 4, 16, 24, 48}  # 70 rows: past the buckets
     parents = [-1, 0, 0, 1, 1, 2, 3, -1, 7, 8]
     draft = Draft(tokens[1:11].tolist(), parents)
     logits = []
@@ -62,7 +61,7 @@ def test_padding_rows_reach_no_real_row_and_graph_buffers_are_not_aliased(engine
     prompt = torch.tensor(default_target.tokenizer("Hello there")["input_ids"])
     static.prefill(prompt, capacity=128)
     clean = static.forward(torch.tensor([5, 6, 7])).logits  # 3 rows in the 4-row bucket
-    runner = static._static_passes[(4, ())]
+    runner = static.static_passes.passes[(4, ())]
     original = static.embed
     try:
         static.embed = original.clone()

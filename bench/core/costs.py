@@ -65,6 +65,10 @@ def random_engine(shape: str, device: str | torch.device, dtype: torch.dtype, se
         })
     engine = Engine(config, state, device=device, dtype=dtype)
     del state
+    if engine.device.type == "cuda" and not engine.invariant:
+        from bench.core.static import enable_static
+
+        enable_static(engine)  # as load_target: one CUDA graph per bucket
     return engine
 
 

@@ -79,7 +79,14 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise BenchError(f"corrupt or missing drafter weights {path}: {str(exc).splitlines()[0]}") from None
     if not isinstance(state, dict):
         raise BenchError(f"drafter weights {path} are not a state dict")
-    return state
+    return aligned_copies(state)
+
+
+def aligned_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor in memory of its own. A tensor read from a file sits wherever the file
+    put it, and MKL's fp32 GEMV rounds differently by the weight's address alignment on an
+    AVX512 CPU: the same weights loaded from two files gave different logits bits."""
+    return {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in state.items()}
 
 
 def open_drafter(target, folder: Path, methods: tuple[str, ...]) -> dict:

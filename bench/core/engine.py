@@ -163,8 +163,7 @@ class Engine:
         # Batch-invariant passes where greedy half-precision decoding is to stay token-exact: the
         # CPU. On CUDA passes run static (bench.core.static: captured graphs), audited for near ties.
         self.invariant = dtype != torch.float32 and self.device.type == "cpu" if invariant is None else invariant
-        self.static = self.device.type == "cuda" and not self.invariant
-        self._static_passes: dict = {}  # (rows, taps) -> bench.core.static.StaticPass
+        self.static_passes = None  # bench.core.static.StaticPasses once enabled (load_target does on CUDA)
         self._rows_limit: int | None = None  # INVARIANT_ROWS during an invariant pass
         # Passes after the prefill padded to VERIFY_BUCKETS rows: fixed shapes for captured
         # graphs on CUDA; off on the CPU, where padding only costs (tests turn it on there).
@@ -236,7 +235,8 @@ class Engine:
 
         twin = copy.copy(self)
         twin.cache = self.new_cache(self.cache.capacity)
-        twin._static_passes = {}  # its passes are bound to its own cache
+        if self.static_passes is not None:  # its passes are bound to its own cache
+            twin.static_passes = type(self.static_passes)()
         return twin
 
     @property
@@ -407,9 +407,9 @@ class Engine:
                 mask = torch.ones(n, total, dtype=torch.bool, device=self.device)
                 mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         padded = self.bucket(n) if self.buckets and start > 0 else n
-        if self.static and start > 0 and not self.invariant and padded in self.buckets:
+        if self.static_passes is not None and start > 0 and not self.invariant and padded in self.buckets:
             visible = mask if mask is not None else torch.ones(n, total, dtype=torch.bool, device=self.device)
-            return self._static_forward(tokens, positions, visible, padded, taps, logits_rows)
+            return self.static_passes(self, tokens, positions, visible, padded, taps, logits_rows)
         if padded > n:  # padding rows: token PAD_TOKEN at the last row's position, each sees only itself
             extra = padded - n
             tokens = torch.cat([tokens, tokens.new_full((extra,), PAD_TOKEN)])
@@ -424,28 +424,6 @@ class Engine:
         out = self._forward(tokens, positions, mask, is_causal, cos, sin, start, n, taps, logits_rows)
         self.cache.length = total
         return out
-
-    def _static_forward(self, tokens: Tensor, positions: Tensor, visible: Tensor, rows: int, taps: tuple[int, ...],
-                        logits_rows: str | Tensor) -> ForwardOutput:
-        """The pass through its bucket's StaticPass (captured once per bucket and taps on CUDA)."""
-        from bench.core.static import StaticPass
-
-        n, start = tokens.shape[0], self.cache.length
-        self.cache.reserve(start + rows)
-        self.rope(positions)  # grows the tables past the context limit (checked on the CPU only)
-        key = (rows, tuple(sorted(set(taps))))
-        runner = self._static_passes.get(key)
-        if runner is None or not runner.bound_to(self):
-            runner = self._static_passes[key] = StaticPass(self, rows, key[1])
-        logits, hidden = runner(tokens, positions, start, visible)
-        self.cache.length = start + n
-        # Copies: a replayed graph writes its next outputs into the same memory.
-        hidden = {t: h[:n].clone() for t, h in hidden.items() if t in taps}
-        if isinstance(logits_rows, str):
-            rows_ = {"all": slice(0, n), "last": slice(n - 1, n), "none": slice(0, 0)}[logits_rows]
-        else:
-            rows_ = logits_rows.to(self.device)
-        return ForwardOutput(logits=logits[:n][rows_].clone(), hidden=hidden)
 
     def bucket(self, n: int) -> int:
         """The row count a pass of n rows is padded to (n itself past the largest bucket)."""

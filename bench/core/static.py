@@ -14,7 +14,8 @@ query heads that share a K/V head are folded into the query rows ([1, kv_heads,
 group * n, d] against [1, kv_heads, capacity, d], the mask repeated per group), which the
 memory-efficient SDPA kernel takes with an arbitrary mask.
 
-On the CPU the same functions run eagerly (`Engine.static = True` in the tests): equal
+`enable_static(engine)` turns it on (bench.core.target.load_target does on CUDA). On the
+CPU the same functions run eagerly (the tests enable it there): equal
 argmax to the dynamic path, padding and stale slots unreachable. Capture itself needs a GPU
 (`make gpu-check`). A graph is bound to the cache tensors it was captured on: the engine
 recaptures when the cache is reallocated (a larger turn), so runs size it once.
@@ -26,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.engine import PAD_TOKEN, Engine, rms_norm
+from bench.core.engine import PAD_TOKEN, VERIFY_BUCKETS, Engine, ForwardOutput, rms_norm
+
+
+def enable_static(engine: Engine, on: bool = True) -> Engine:
+    """Route `engine`'s passes after the prefill through StaticPasses (padded to buckets)."""
+    engine.static_passes = StaticPasses() if on else None
+    if on and not engine.buckets:
+        engine.buckets = VERIFY_BUCKETS
+    return engine
 
 
 def static_forward(engine: Engine, tokens: Tensor, positions: Tensor, slots: Tensor, real: Tensor,
@@ -111,3 +120,30 @@ class StaticPass:
             self._capture()
         self.graph.replay()
         return self.output
+
+
+class StaticPasses:
+    """An engine's StaticPass per (bucket, taps), made on first use and again when the
+    cache they were bound to has been replaced."""
+
+    def __init__(self) -> None:
+        self.passes: dict[tuple[int, tuple[int, ...]], StaticPass] = {}
+
+    def __call__(self, engine: Engine, tokens: Tensor, positions: Tensor, visible: Tensor, rows: int,
+                 taps: tuple[int, ...], logits_rows: str | Tensor) -> ForwardOutput:
+        n, start = tokens.shape[0], engine.cache.length
+        engine.cache.reserve(start + rows)
+        engine.rope(positions)  # grows the tables past the context limit (checked on the CPU only)
+        key = (rows, tuple(sorted(set(taps))))
+        runner = self.passes.get(key)
+        if runner is None or not runner.bound_to(engine):
+            runner = self.passes[key] = StaticPass(engine, rows, key[1])
+        logits, hidden = runner(tokens, positions, start, visible)
+        engine.cache.length = start + n
+        # Copies: a replayed graph writes its next outputs into the same memory.
+        hidden = {t: h[:n].clone() for t, h in hidden.items() if t in taps}
+        if isinstance(logits_rows, str):
+            picked = {"all": slice(0, n), "last": slice(n - 1, n), "none": slice(0, 0)}[logits_rows]
+        else:
+            picked = logits_rows.to(engine.device)
+        return ForwardOutput(logits=logits[:n][picked].clone(), hidden=hidden)

@@ -202,7 +202,9 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(str(f)))
         except Exception as exc:
             raise BenchError(f"corrupt weights file {f}: {exc}") from None
-    return state
+    # Own memory for each tensor: a file's offsets would otherwise decide MKL's fp32 GEMV
+    # rounding on AVX512 CPUs (bench.core.drafters.aligned_copies).
+    return {name: t.clone() for name, t in state.items()}
 
 
 def load_target(spec: str | None = None, device: str | None = None, dtype: str = "float32") -> Target:
@@ -216,6 +218,10 @@ def load_target(spec: str | None = None, device: str | None = None, dtype: str =
     tokenizer = AutoTokenizer.from_pretrained(folder)
     state = load_state_dict(folder)
     engine = Engine(config, state, device=device or default_device(), dtype=parse_dtype(dtype))
+    if engine.device.type == "cuda" and not engine.invariant:
+        from bench.core.static import enable_static
+
+        enable_static(engine)  # verify passes replayed from one CUDA graph per bucket
     return Target(name=name, path=folder, fingerprint=weights_fingerprint(state), engine=engine,
                   tokenizer=tokenizer, config=config)
 
