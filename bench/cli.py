@@ -241,6 +241,8 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
     from tasks import TASKS, load_task
 
     if status:
+        import methods  # noqa: F401  (registers the project's shipped data, methods/distilled/)
+
         click.echo(distill_status())
         return
     span = None
