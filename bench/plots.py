@@ -278,27 +278,30 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     rows = rows[rows.groupby(["target", "task", "method"])["batch_size"].transform("nunique").gt(1)]
     if rows.empty:
         return Skipped(name, title, "no method run at more than one batch size")
-    fig = _figure(9.0, 3.6)
+    fig = _figure(13.0, 3.6)
     with matplotlib.rc_context(RC):
-        left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        left, middle, right = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
         for (method, task), sub in rows.groupby(["method", "task"], sort=False):
             sub = sub.sort_values("batch_size")
             style = dict(color=_color(method), marker="o", linewidth=0.8, label=f"{method} / {task}")
             right.plot(sub["batch_size"], sub["throughput"], **style)
+            middle.plot(sub["batch_size"], 1e3 * sub["tpot_s"], **style)
             if method != BASELINE:
                 left.plot(sub["batch_size"], sub["speedup"], **style)
         left.axhline(1.0, color="black", linewidth=0.6)
         left.set_ylabel("speedup over AR at the same batch size")
+        middle.set_ylabel("per-request TPOT (ms per token)")
         right.set_ylabel("total tok/s (per-request tok/s x mean load)")
-        for ax in (left, right):
+        for ax in (left, middle, right):
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("batch size (requests decoding at once)")
         right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out, name, title, "Each method at several `bench run --batch-size` values, its AR baseline run "
-                 "at the same batch size. Left: speedup (ratio of sums over paired turns). Right: total throughput, "
-                 "per-request tok/s times the mean number of requests sharing its target passes.")
+                 "at the same batch size. Left: speedup (ratio of sums over paired turns). Middle: each request's time "
+                 "per output token. Right: total throughput, per-request tok/s times the mean number of requests "
+                 "sharing its target passes. τ does not depend on the batch size (the tables give it).")
 
 
 def _speedup_axes(ax, legend_size: int) -> None:
