@@ -314,7 +314,9 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
     record = {"target": loaded.name, "fingerprint": loaded.fingerprint, "dtype": dtype, "repeats": repeats,
               "provenance": provenance(device), **result}
     # The record goes to results/; the copy in the cache is what methods read (bench.core.costs).
-    kept = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}.json"
+    from bench.core.provenance import machine_key
+
+    kept = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}-{machine_key(device)}.json"
     cached = profile_path(loaded.name, device.split(":")[0], str(loaded.engine.dtype).removeprefix("torch."))
     for path in (kept, cached):
         try:

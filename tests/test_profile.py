@@ -45,7 +45,11 @@ def test_bench_profile_stores_a_record(tmp_path, one_thread):
                                        "5", "--repeats", "2", "--context", "16", "--drafters", "pld",
                                        "--results-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    record = json.loads((tmp_path / "smollm2-135m" / "profile" / "cpu-float32.json").read_text())
+    from bench.core.provenance import cpu_isa, machine_key
+
+    kept = tmp_path / "smollm2-135m" / "profile" / f"cpu-float32-{machine_key('cpu')}.json"  # one file per machine
+    record = json.loads(kept.read_text())
+    assert record["provenance"]["cpu_isa"] == cpu_isa() and machine_key("cpu").endswith(cpu_isa().replace("_", "-"))
     assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
     assert record["fingerprint"] and record["context"] == 16 and record["hf_generate"]["step_s"] > 0
     assert "transformers.generate" in result.output

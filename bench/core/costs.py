@@ -260,7 +260,7 @@ def stored_chain_costs(target, max_k: int, path: Path | None = None) -> list[flo
     same at every build, so a run's settings do not change with a few seconds of timing noise."""
     import json
 
-    from bench.core.provenance import device_name
+    from bench.core.provenance import cpu_isa, device_name
 
     device = target.engine.device
     dtype = str(target.engine.dtype).removeprefix("torch.")
@@ -268,8 +268,9 @@ def stored_chain_costs(target, max_k: int, path: Path | None = None) -> list[flo
     try:
         profile = json.loads(path.read_text(encoding="utf-8"))
         provenance = profile.get("provenance") or {}
+        same_cpu = device.type != "cpu" or provenance.get("cpu_isa", cpu_isa()) == cpu_isa()  # older: no tier kept
         if (profile.get("fingerprint") == target.fingerprint and profile.get("dtype") == dtype
-                and provenance.get("device_name") == device_name(str(device))
+                and provenance.get("device_name") == device_name(str(device)) and same_cpu
                 and provenance.get("torch_threads") == torch.get_num_threads()):
             return chain_costs(profile, max_k)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

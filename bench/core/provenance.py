@@ -39,6 +39,27 @@ def device_name(device: str) -> str:
     return platform.processor() or "cpu"
 
 
+def cpu_isa() -> str:
+    """The CPU's matmul tier, which decides bf16 speed and rounding: amx, avx512_bf16,
+    avx512, avx2 or other (two CPUs can share a model name: "AMD EPYC" was AVX2 on one
+    machine and AVX512-BF16 on another)."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return "other"
+
+
+def machine_key(device: str) -> str:
+    """A file-name key for this machine: the device's name, and on a CPU its matmul tier."""
+    name = device_name(device) + ("" if device.startswith("cuda") else f" {cpu_isa()}")
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
 def provenance(device: str) -> dict:
     versions = {}
     for name in PACKAGES:
@@ -52,6 +73,7 @@ def provenance(device: str) -> dict:
         "packages": versions,
         "device": device,
         "device_name": device_name(device),
+        **({} if device.startswith("cuda") else {"cpu_isa": cpu_isa()}),
         "torch_threads": torch.get_num_threads(),
         "hostname": platform.node(),
         "platform": platform.platform(),
