@@ -12,7 +12,7 @@ drafter trained on these replies learns what it will be asked to predict at deco
 
 The root is $BENCH_CACHE/distill unless `bench distill --root` names another; the project
 ships its data for the default target in methods/distilled/ (registered like its drafters,
-found by the trainers, ~1 byte per reply token gzipped), so generation spread over
+found by the trainers, ~2 bytes per reply token gzipped), so generation spread over
 machines and days accumulates in one place.
 
 Shard k holds conversations [k*S, (k+1)*S) of a fixed, seeded order, so a shard is a pure
