@@ -26,8 +26,12 @@ Conventions
   reductions no longer than PACK_K: on an AVX512-BF16 CPU without AMX the packed GEMM over
   K = 1536 gave rows that changed with M, over K <= 1024 none did; tests/test_engine.py
   checks it on the machine at hand).
+  Where this CPU builds them, the invariant passes run on bench.core.cpu_kernels instead:
+  linears, attention and the layer's small ops in C++ whose rows are independent by
+  construction, over a bf16 cache (no fp64, no row chunks, no column pieces).
 - Prepacked weights: on the CPU in bf16 the linears run oneDNN's GEMM on weights reordered
-  once at load (`F.linear` reorders them on every call, about half a one-token step here).
+  once at load (`F.linear` reorders them on every call, about half a one-token step here);
+  the prefill keeps them with the kernels too (its many rows are GEMM work oneDNN does well).
 """
 
 from __future__ import annotations
@@ -204,6 +208,10 @@ class Engine:
                 "down": w(p + "mlp.down_proj.weight"),
             })
         self._packed = self._pack_weights()
+        # Row-invariant bf16 kernels for the passes after the prefill, where this CPU builds them.
+        self.kernels = self._kernels()
+        self._kernel_packed = ({id(w): (self.kernels.pack(w), w.shape[0]) for w in self._linear_weights()}
+                               if self.kernels is not None else {})
         self.inv_freq, self.rope_scaling = _rope_inv_freq(config)
         self.inv_freq = self.inv_freq.to(self.device)
         self._rope_cos = self._rope_sin = None
@@ -213,9 +221,9 @@ class Engine:
     # ----------------------------------------------------------------- cache
     @property
     def cache_dtype(self) -> torch.dtype:
-        """K/V storage: the invariant path keeps them in fp64 (exact copies of the rounded
-        values), which its attention reads without a cast per layer and pass."""
-        return torch.float64 if self.invariant else self.dtype
+        """K/V storage: the model dtype, except on the invariant path without the CPU kernels,
+        which keeps fp64 (exact copies of the rounded values) for its fp64 attention."""
+        return torch.float64 if self.invariant and self.kernels is None else self.dtype
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         capacity = aligned(capacity)
@@ -264,25 +272,39 @@ class Engine:
         return self._rope_cos[positions], self._rope_sin[positions]
 
     # ------------------------------------------------------- layer pieces
+    def _linear_weights(self) -> list[Tensor]:
+        return [*(layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")), self.lm_head]
+
+    def _kernels(self):
+        """bench.core.cpu_kernels for an invariant bf16 engine on the CPU, where they build."""
+        if not (self.invariant and self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and self.head_dim % 16 == 0):
+            return None
+        from bench.core.cpu_kernels import kernels
+
+        return kernels()
+
     def _pack_weights(self) -> dict[int, list[Tensor]]:
         """oneDNN-reordered copies of the linear weights (by the id of the plain tensor), for
         bf16 on the CPU, each in column pieces of at most PACK_K; empty elsewhere (fp32 keeps
         F.linear: its packed GEMM was no faster and not row-invariant here)."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
             return {}
-        weights = [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-
         def pieces(w: Tensor) -> list[Tensor]:
             step = piece_width(w.shape[1])
             return [torch.ops.mkldnn._reorder_linear_weight(w[:, i:i + step].contiguous(), PACK_ROWS)
                     for i in range(0, w.shape[1], step)]
 
-        return {id(w): pieces(w) for w in [*weights, self.lm_head]}
+        return {id(w): pieces(w) for w in self._linear_weights()}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., d] @ weight.T (+ bias), on the prepacked weight when there is one; during an
         invariant pass in chunks of rows small enough that each row's GEMM is the one a
-        one-row pass runs."""
+        one-row pass runs (or, with the CPU kernels, in one call whose rows are independent)."""
+        if self._rows_limit and id(weight) in self._kernel_packed and x.numel():
+            packed, n = self._kernel_packed[id(weight)]
+            out = self.kernels.linear(x, packed, n)
+            return (out if bias is None else out + bias).to(x.dtype)
         packed = self._packed.get(id(weight))
         limit = self._rows_limit and (PACK_ROWS if packed is not None else self._rows_limit)
         if (packed is None and (limit is None or x.shape[-2] <= limit)) or x.numel() == 0:
@@ -309,10 +331,23 @@ class Engine:
             total = part if total is None else total.add_(part)
         return total.to(rows.dtype)
 
+    def _fused(self, layer: dict) -> bool:
+        """Whether this layer runs as the CPU kernels' two fused halves: inside an invariant
+        pass, where they are built, for layers without per-head q/k norms."""
+        return bool(self._rows_limit) and self.kernels is not None and layer["q_norm"] is None
+
     def attention_inputs(self, layer: dict, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [b, heads, n, head_dim] of x [b, n, d], RoPE applied (cos/sin broadcast
         to [b or 1, 1, n, head_dim])."""
         b, n, _ = x.shape
+        if self._fused(layer):
+            rows = b * n
+            cos, sin = (t.expand(b, 1, n, self.head_dim).reshape(rows, self.head_dim) for t in (cos, sin))
+            packed, width = self._kernel_packed[id(layer["qkv"])]
+            q, k, v = self.kernels.layer_inputs(x.reshape(rows, -1), layer["in_norm"], packed, width,
+                                                layer["qkv_bias"], cos, sin, self.num_heads, self.num_kv_heads,
+                                                self.eps)
+            return tuple(t.view(t.shape[0], b, n, self.head_dim).transpose(0, 1) for t in (q, k, v))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         h = rms_norm(x, layer["in_norm"], self.eps)
         q, k, v = self.linear(h, layer["qkv"], layer["qkv_bias"]).split((q_size, kv_size, kv_size), dim=-1)
@@ -328,6 +363,14 @@ class Engine:
         """The rest of the layer: o-projection of attention output [b, heads, n, head_dim],
         residual, MLP, residual."""
         b, _, n, _ = attn.shape
+        if self._fused(layer):
+            rows = b * n
+            attn = attn.transpose(1, 2).reshape(rows, self.num_heads * self.head_dim)
+            gate_up, width = self._kernel_packed[id(layer["gate_up"])]
+            out = self.kernels.layer_outputs(x.reshape(rows, -1), attn, self._kernel_packed[id(layer["o"])][0],
+                                             layer["post_norm"], gate_up, width,
+                                             self._kernel_packed[id(layer["down"])][0], self.eps)
+            return out.view(b, n, -1)
         x = x + self.linear(attn.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), layer["o"])
         h = rms_norm(x, layer["post_norm"], self.eps)
         gate, up = self.linear(h, layer["gate_up"]).chunk(2, dim=-1)
@@ -339,7 +382,10 @@ class Engine:
         `visible` [n, span], in fp64 with one row's arithmetic independent of the others and
         of where its keys sit: the heads sharing a K/V head are stacked as rows of one matmul,
         masked scores are exact zeros after the softmax, and the sums' rounding is far below
-        bf16's."""
+        bf16's. With the CPU kernels: keys and values in bf16, scores and sums in fp32 in a
+        fixed order per row (bench/core/kernels/cpu_bf16.cpp)."""
+        if self.kernels is not None:
+            return self.kernels.attention(q[0], keys[0], values[0], visible, self.scale)[None]
         n = q.shape[2]
         if n > INVARIANT_ROWS:  # the matmuls below pick other kernels for many rows too
             return torch.cat([self.invariant_attention(q[:, :, i:i + INVARIANT_ROWS], keys, values,

@@ -39,15 +39,20 @@ def device_name(device: str) -> str:
     return platform.processor() or "cpu"
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        return set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
 def cpu_isa() -> str:
     """The CPU's matmul tier, which decides bf16 speed and rounding: amx, avx512_bf16,
     avx512, avx2 or other (two CPUs can share a model name: "AMD EPYC" was AVX2 on one
     machine and AVX512-BF16 on another)."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
         if flag in flags:
             return isa

@@ -1,0 +1,57 @@
+"""The CPU's bf16 decode kernels (bench/core/kernels/cpu_bf16.cpp), built on first use.
+
+Linear layers and attention whose rows are computed independently of how many rows share
+a pass, so a k-token verification rounds exactly as k one-token steps. They replace the
+engine's earlier invariant path (fp64 attention, oneDNN GEMMs in row chunks and column
+pieces), which kept bf16 token-exact but cost ~40% at k = 16.
+
+The build is for this CPU's instruction tier (AVX512-BF16, else AVX2 + FMA), cached by torch
+under its extensions folder and keyed by tier, so a home shared by two machines never runs
+one's binary on the other. Without a compiler or either tier, `kernels()` is None and the
+engine keeps its earlier path. SPEC_BENCH_CPU_KERNELS=0 turns them off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from bench.core.provenance import cpu_flags
+
+SOURCE = Path(__file__).parent / "kernels" / "cpu_bf16.cpp"
+TIERS = {  # tier -> (flags the CPU must have, compiler flags)
+    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-DSB_AVX512BF16"]),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+}
+
+
+def cpu_tier() -> str | None:
+    """The best kernel tier this CPU runs, or None."""
+    flags = cpu_flags()
+    return next((tier for tier, (needed, _) in TIERS.items() if needed <= flags), None)
+
+
+def enabled() -> bool:
+    return os.environ.get("SPEC_BENCH_CPU_KERNELS", "1") != "0"
+
+
+@functools.cache
+def kernels(tier: str | None = None) -> ModuleType | None:
+    """The compiled kernels for `tier` (default: this CPU's best), or None where they cannot
+    be built here (one line on stderr says why)."""
+    tier = tier or cpu_tier()
+    if tier is None or not enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=f"spec_bench_cpu_bf16_{tier}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp", *TIERS[tier][1]], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, headers or disk: the engine's earlier path still works
+        print(f"spec-bench: CPU bf16 kernels not built ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+              "using oneDNN and fp64 attention", file=sys.stderr)
+        return None

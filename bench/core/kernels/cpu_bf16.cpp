@@ -1,0 +1,484 @@
+// bf16 kernels for the CPU decode path: linear layers and attention whose every output row
+// is computed by the same instructions in the same order however many rows share the call.
+// That makes a k-token verification round exactly as k one-token steps (batch invariance),
+// so greedy bf16 decoding stays token-exact against bf16 AR without fp64 attention or row
+// chunks, and a one-token step streams the weights once, near the memory-bandwidth limit.
+//
+// Built by bench/core/cpu_kernels.py for one of two instruction tiers:
+//   SB_AVX512BF16: AVX512-BF16 (vdpbf16ps: two bf16 products per fp32 lane, fp32 sums)
+//   otherwise AVX2 + FMA (bf16 widened to fp32, one FMA per product)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using bf16 = at::BFloat16;
+
+#if defined(SB_AVX512BF16)
+constexpr int64_t LANES = 16;  // fp32 lanes per vector; a packed block holds this many outputs
+using vec = __m512;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vset1(float a) { return _mm512_set1_ps(a); }
+static inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vload_bf16(const bf16* p) {  // 16 bf16 -> fp32 (exact: a shift)
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+constexpr int64_t KSTEP = 2;  // reduction indices per packed step (a bf16 pair per lane)
+#else
+constexpr int64_t LANES = 8;
+using vec = __m256;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vset1(float a) { return _mm256_set1_ps(a); }
+static inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+static inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vload_bf16(const bf16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+constexpr int64_t KSTEP = 1;
+#endif
+
+// ---------------------------------------------------------------------------- linear
+// Outputs go in groups of GROUP = NR * LANES. Packed weight [N, K] ->
+// [ceil(N / GROUP), ceil(K / KSTEP), NR, LANES, KSTEP]: one step of the reduction for a whole
+// group is NR consecutive vectors, so a group's weights are one sequential stream (a one-row
+// pass is a read of the weights front to back). Padding is zero.
+constexpr int64_t NR = 4, GROUP = NR * LANES;
+
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack takes a 2-D bf16 weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t np = (n + GROUP - 1) / GROUP * GROUP, kp = (k + KSTEP - 1) / KSTEP * KSTEP;
+  auto padded = torch::zeros({np, kp}, w.options());
+  padded.slice(0, 0, n).slice(1, 0, k).copy_(w);
+  return padded.view({np / GROUP, NR, LANES, kp / KSTEP, KSTEP}).permute({0, 3, 1, 2, 4}).contiguous();
+}
+
+// MR rows x one group. Each output has one accumulator lane that takes the reduction steps in
+// order 0, 1, ...: the same sequence for every MR, so rows never see each other.
+template <int MR>
+static inline void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* y, int64_t ldy) {
+  vec acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  for (int64_t s = 0; s < steps; ++s) {
+    const bf16* ws = w + s * GROUP * KSTEP;
+#if defined(SB_AVX512BF16)
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * LANES * KSTEP);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + s * KSTEP, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+#else
+    vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = vload_bf16(ws + j * LANES);
+    for (int i = 0; i < MR; ++i) {
+      const vec xv = vset1(static_cast<float>(x[i * ldx + s]));
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(xv, wv[j], acc[i][j]);
+    }
+#endif
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) vstore(y + i * ldy + j * LANES, acc[i][j]);
+}
+
+static void row_tiles(const bf16* x, int64_t ldx, int64_t m, const bf16* w, int64_t steps, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) tile<4>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy);
+  switch (m - i) {
+    case 3: tile<3>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
+    case 2: tile<2>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
+    case 1: tile<1>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// x [..., K] bf16 @ W.T, W packed by `pack` from [n, K]; returns fp32 [..., n].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5,
+              "linear takes bf16 rows and a packed bf16 weight");
+  const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(k, 1);
+  const int64_t groups = packed.size(0), steps = packed.size(1), kp = steps * KSTEP, stride = steps * GROUP * KSTEP;
+  TORCH_CHECK(kp >= k && kp - k < KSTEP && n <= groups * GROUP, "packed weight does not match the rows");
+  auto rows = x.reshape({m, k});
+  if (kp != k) rows = torch::constant_pad_nd(rows, {0, kp - k});
+  rows = rows.contiguous();
+  const int64_t ld = groups * GROUP;
+  auto y = torch::empty({m, ld}, x.options().dtype(at::kFloat));
+  const bf16* xp = rows.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t ROWS = 16;  // a group's weights are reused by up to ROWS rows while in cache
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS)
+      for (int64_t g = g0; g < g1; ++g)
+        row_tiles(xp + r0 * kp, kp, std::min(ROWS, m - r0), wp + g * stride, steps, yp + r0 * ld + g * GROUP, ld);
+  });
+  auto out = ld == n ? y : y.slice(1, 0, n);
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return out.reshape(shape);
+}
+
+// ------------------------------------------------------------------------- attention
+// q [heads, n, D], keys/values [kv_heads, span, D] (rows of D contiguous), visible [n, span]
+// bool: softmax(q k^T * scale) v per row, fp32 inside, bf16 out. A row reads only its visible
+// slots, in slot order, and everything it computes is a function of that sequence: its
+// scores, their max, exps, sum (by position in the sequence) and the weighted sum of values.
+// A tree row whose ancestors sit at scattered slots therefore gets the bits of the same row
+// in a chain pass, and no row depends on the others or on n.
+// exp on fp32 lanes: 2^n * p(r), r = x - n ln2 in two parts, p a degree-6 Taylor polynomial
+// (|r| <= ln2 / 2: relative error ~2e-7), inputs clamped to [-87, 88].
+#if defined(SB_AVX512BF16)
+static inline vec vexp(vec x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  vec r = _mm512_fnmadd_ps(n, vset1(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, vset1(1.428606765330187045e-06f), r);
+  vec p = vset1(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, vset1(c));
+  return _mm512_scalef_ps(p, n);
+}
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline float vmaxall(vec a) { return _mm512_reduce_max_ps(a); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+#else
+static inline vec vexp(vec x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const vec n = _mm256_round_ps(_mm256_mul_ps(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm256_fnmadd_ps(n, vset1(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, vset1(1.428606765330187045e-06f), r);
+  vec p = vset1(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, vset1(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline float vmaxall(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+#endif
+
+// A tile of LANES consecutive slots' keys, one vector per head dimension (pair): lane l holds
+// slot j0 + l. A lane's score sums its slot's head dimensions in order on its own, so the
+// score of (row, slot) is the same whichever lane, tile or pass it is computed in.
+#if defined(SB_AVX512BF16)
+using tile_t = __m512i;  // dimension pair p of 16 slots
+constexpr int64_t TILE_DIMS = 2;
+static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, int64_t d, tile_t* tile) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i base = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(slot_stride / 2)));
+  const __mmask16 mask = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1u);
+  const int* words = reinterpret_cast<const int*>(k);
+  for (int64_t p = 0; p < d / 2; ++p)
+    tile[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask,
+                                          _mm512_add_epi32(base, _mm512_set1_epi32(static_cast<int32_t>(p))), words, 4);
+}
+static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
+  vec acc = vzero();
+  for (int64_t p = 0; p < d / 2; ++p) {
+    int32_t pair;
+    std::memcpy(&pair, q + 2 * p, sizeof(pair));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)tile[p], (__m512bh)_mm512_set1_epi32(pair));
+  }
+  return acc;
+}
+#else
+using tile_t = __m256;  // dimension p of 8 slots, fp32
+constexpr int64_t TILE_DIMS = 1;
+static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, int64_t d, tile_t* tile) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i base = _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(slot_stride / 2)));
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid)), lane);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const int* words = reinterpret_cast<const int*>(k);
+  for (int64_t p = 0; p < d / 2; ++p) {
+    const __m256i w = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), words,
+                                                  _mm256_add_epi32(base, _mm256_set1_epi32(static_cast<int32_t>(p))), mask, 4);
+    tile[2 * p] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    tile[2 * p + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+  }
+}
+static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
+  vec acc = vzero();
+  for (int64_t i = 0; i < d; ++i) acc = vfmadd(vset1(static_cast<float>(q[i])), tile[i], acc);
+  return acc;
+}
+#endif
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor visible,
+                        double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && visible.dim() == 2, "attention shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+                  values.scalar_type() == at::kBFloat16 && visible.scalar_type() == at::kBool,
+              "attention takes bf16 q/keys/values and a bool mask");
+  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = keys.size(0), span = keys.size(1);
+  constexpr int64_t MAXC = 512 / LANES, MAXG = 16;  // head_dim up to 512, up to 16 heads per K/V head
+  TORCH_CHECK(d % LANES == 0 && d / LANES <= MAXC && heads % kv_heads == 0 && heads / kv_heads <= MAXG &&
+                  keys.stride(2) == 1 && values.stride(2) == 1 && values.size(1) == span &&
+                  visible.size(0) == n && visible.size(1) == span,
+              "attention: unsupported shapes (head_dim a multiple of the vector width up to 512, rows contiguous)");
+  const int64_t group = heads / kv_heads, chunks = d / LANES, padded = (span + LANES - 1) / LANES * LANES;
+  auto qc = q.contiguous();
+  auto seen = visible.contiguous();
+  auto result = torch::empty({heads, n, d}, q.options().dtype(at::kFloat));
+  const bf16* qb = qc.data_ptr<bf16>();
+  const bool* vis = seen.data_ptr<bool>();
+  const bf16* kp = keys.data_ptr<bf16>();
+  const bf16* vp = values.data_ptr<bf16>();
+  float* op = result.data_ptr<float>();
+  const int64_t ks_head = keys.stride(0), ks_slot = keys.stride(1), vs_head = values.stride(0), vs_slot = values.stride(1);
+  const float s = static_cast<float>(scale);
+  // One task per (K/V head, block of query tokens): each slot's key and value are widened
+  // once for every row of the block that sees it; a row's sums still run over its own slots
+  // in slot order, indexed by their position in that sequence.
+  constexpr int64_t TOKENS = 8;
+  const int64_t blocks = (n + TOKENS - 1) / TOKENS;
+  // Few tasks (a one-token step has one per K/V head): split each task's heads too, so both
+  // cores work; a row's arithmetic is the same in any split.
+  const int64_t splits = kv_heads * blocks < 2 * at::get_num_threads() ? group : 1, per = group / splits;
+  at::parallel_for(0, kv_heads * blocks * splits, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> weights(TOKENS * group * padded);
+    std::vector<int32_t> slots(TOKENS * span);  // each token's visible slots, in order
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t part = task % splits, h = task / splits / blocks;
+      const int64_t first = (task / splits % blocks) * TOKENS, last = std::min(n, first + TOKENS);
+      const int64_t g_begin = part * per, g_end = g_begin + per;
+      const int64_t rows = last - first;
+      const bf16* kh = kp + h * ks_head;
+      const bf16* vh = vp + h * vs_head;
+      int64_t count[TOKENS] = {0};
+      auto row_weights = [&](int64_t t, int64_t g) { return weights.data() + (t * group + g) * padded; };
+      // scores, a tile of slots at a time, kept in each row's own slot sequence
+      tile_t tile[512 / TILE_DIMS];
+      for (int64_t j0 = 0; j0 < span; j0 += LANES) {
+        const int64_t valid = std::min(LANES, span - j0);
+        int64_t seen_in_tile[TOKENS] = {0}, any = 0;
+        for (int64_t t = 0; t < rows; ++t) {
+          const bool* vr = vis + (first + t) * span + j0;
+          for (int64_t l = 0; l < valid; ++l) seen_in_tile[t] += vr[l];
+          any += seen_in_tile[t];
+        }
+        if (!any) continue;
+        load_tile(kh + j0 * ks_slot, ks_slot, valid, d, tile);
+        for (int64_t t = 0; t < rows; ++t) {
+          if (!seen_in_tile[t]) continue;
+          const bool* vr = vis + (first + t) * span + j0;
+          for (int64_t g = g_begin; g < g_end; ++g) {
+            alignas(64) float lanes[LANES];
+            vstore(lanes, vmul(tile_scores(tile, qb + ((h * group + g) * n + first + t) * d, d), vset1(s)));
+            float* w = row_weights(t, g) + count[t];
+            for (int64_t l = 0, i = 0; l < valid; ++l)
+              if (vr[l]) w[i++] = lanes[l];
+          }
+          int32_t* order = slots.data() + t * span + count[t];
+          for (int64_t l = 0, i = 0; l < valid; ++l)
+            if (vr[l]) order[i++] = static_cast<int32_t>(j0 + l);
+          count[t] += seen_in_tile[t];
+        }
+      }
+      // softmax numerators and their sums, lanes by position in the row's slot sequence
+      float total[TOKENS][MAXG];
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t m = count[t], full = m / LANES * LANES;
+        for (int64_t g = g_begin; g < g_end; ++g) {
+          float* w = row_weights(t, g);
+          float top = -std::numeric_limits<float>::infinity();
+          if (full) {
+            vec mx = vload(w);
+            for (int64_t i = LANES; i < full; i += LANES) mx = vmax(mx, vload(w + i));
+            top = vmaxall(mx);
+          }
+          for (int64_t i = full; i < m; ++i) top = std::max(top, w[i]);
+          vec sum = vzero();
+          for (int64_t i = 0; i < full; i += LANES) {
+            const vec e = vexp(vsub(vload(w + i), vset1(top)));
+            vstore(w + i, e);
+            sum = vadd(sum, e);
+          }
+          float rest = 0.0f;
+          if (full < m) {  // the tail through the same vector exp; padding lanes are dropped
+            alignas(64) float tail[LANES];
+            for (int64_t i = 0; i < LANES; ++i) tail[i] = full + i < m ? w[full + i] - top : -100.0f;
+            vstore(tail, vexp(vload(tail)));
+            for (int64_t i = full; i < m; ++i) rest += (w[i] = tail[i - full]);
+          }
+          total[t][g] = m ? vsum(sum) + rest : 1.0f;
+        }
+      }
+      // weighted values: per token, its heads' sums over its own slot sequence, in order
+      for (int64_t t = 0; t < rows; ++t) {
+        const int32_t* order = slots.data() + t * span;
+        for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {  // up to 4 heads x 4 vectors of accumulators in registers
+          const int64_t gn = std::min<int64_t>(4, g_end - g0);
+          vec acc[4][MAXC];
+          for (int64_t g = 0; g < gn; ++g)
+            for (int64_t c = 0; c < chunks; ++c) acc[g][c] = vzero();
+          const float* w[4];
+          for (int64_t g = 0; g < gn; ++g) w[g] = row_weights(t, g0 + g);
+          for (int64_t i = 0; i < count[t]; ++i) {
+            const bf16* vr = vh + order[i] * vs_slot;
+            for (int64_t c = 0; c < chunks; ++c) {
+              const vec v = vload_bf16(vr + c * LANES);
+              for (int64_t g = 0; g < gn; ++g) acc[g][c] = vfmadd(vset1(w[g][i]), v, acc[g][c]);
+            }
+          }
+          for (int64_t g = 0; g < gn; ++g) {
+            const vec inv = vset1(1.0f / total[t][g0 + g]);
+            float* out = op + ((h * group + g0 + g) * n + first + t) * d;
+            for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, vmul(acc[g][c], inv));
+          }
+        }
+      }
+    }
+  });
+  return result.to(at::kBFloat16);
+}
+
+// ------------------------------------------------------------------ decoder layer halves
+// The rest of a Llama decoder layer around the attention, one call per half, with the
+// roundings of the model's own bf16 arithmetic (each op's result rounded to bf16, norms
+// in fp32), every row on its own.
+static inline float round_bf16(float a) { return static_cast<float>(static_cast<bf16>(a)); }
+
+// HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded, times the weight, rounded.
+static void rms_norm_rows(const bf16* x, const bf16* w, int64_t rows, int64_t d, double eps, bf16* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16* xr = x + r * d;
+    vec acc = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES) {
+      const vec v = vload_bf16(xr + i);
+      acc = vfmadd(v, v, acc);
+    }
+    float sum = vsum(acc);
+    for (; i < d; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t j = 0; j < d; ++j)
+      out[r * d + j] = static_cast<bf16>(static_cast<float>(w[j]) * round_bf16(static_cast<float>(xr[j]) * scale));
+  }
+}
+
+// rms_norm -> qkv projection (+ bias) -> RoPE (HF's rotate_half) on q and k.
+// x [rows, d]; cos, sin [rows, head_dim]; returns q [heads, rows, D], k and v [kv_heads, rows, D].
+std::vector<torch::Tensor> layer_inputs(torch::Tensor x, torch::Tensor norm, torch::Tensor qkv, int64_t qkv_n,
+                                        c10::optional<torch::Tensor> bias, torch::Tensor cos, torch::Tensor sin,
+                                        int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1), dim = cos.size(1), half = dim / 2;
+  TORCH_CHECK(qkv_n == (heads + 2 * kv_heads) * dim && cos.size(0) == rows && sin.size(0) == rows,
+              "layer_inputs: shapes");
+  x = x.contiguous(); cos = cos.contiguous(); sin = sin.contiguous();
+  auto h = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<bf16>(), norm.contiguous().data_ptr<bf16>(), rows, d, eps, h.data_ptr<bf16>());
+  auto y = linear(h, qkv, qkv_n);  // fp32 [rows, qkv_n]
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  auto q = torch::empty({heads, rows, dim}, x.options());
+  auto k = torch::empty({kv_heads, rows, dim}, x.options());
+  auto v = torch::empty({kv_heads, rows, dim}, x.options());
+  const float* yp = y.data_ptr<float>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sp = sin.data_ptr<bf16>();
+  bf16* qp = q.data_ptr<bf16>();
+  bf16* kp = k.data_ptr<bf16>();
+  bf16* vp = v.data_ptr<bf16>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* yr = yp + r * qkv_n;
+    const bf16* cr = cp + r * dim;
+    const bf16* sr = sp + r * dim;
+    for (int64_t head = 0; head < heads + kv_heads; ++head) {
+      bf16* out = head < heads ? qp + (head * rows + r) * dim : kp + ((head - heads) * rows + r) * dim;
+      const float* in = yr + head * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float xi = round_bf16(in[i]);
+        const float rot = i < half ? -round_bf16(in[i + half]) : round_bf16(in[i - half]);
+        out[i] = static_cast<bf16>(round_bf16(xi * static_cast<float>(cr[i])) + round_bf16(rot * static_cast<float>(sr[i])));
+      }
+    }
+    for (int64_t head = 0; head < kv_heads; ++head)
+      for (int64_t i = 0; i < dim; ++i)
+        vp[(head * rows + r) * dim + i] = static_cast<bf16>(yr[(heads + kv_heads + head) * dim + i]);
+  }
+  return {q, k, v};
+}
+
+static inline void round_into(const torch::Tensor& from, bf16* to) {  // fp32 -> bf16, same shape
+  const float* f = from.data_ptr<float>();
+  for (int64_t i = 0, n = from.numel(); i < n; ++i) to[i] = static_cast<bf16>(f[i]);
+}
+
+// o projection, residual, rms_norm, gate/up projection, silu(gate) * up, down projection,
+// residual. x [rows, d]; attn [rows, heads * D] (rows in x's order); returns the new x.
+torch::Tensor layer_outputs(torch::Tensor x, torch::Tensor attn, torch::Tensor o, torch::Tensor norm,
+                            torch::Tensor gate_up, int64_t gate_up_n, torch::Tensor down, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1), inter = gate_up_n / 2;
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  bf16* xo = out.data_ptr<bf16>();
+  const bf16* xi = x.data_ptr<bf16>();
+  {
+    auto projected = linear(attn.contiguous(), o, d);
+    const float* pp = projected.data_ptr<float>();
+    for (int64_t i = 0; i < rows * d; ++i) xo[i] = static_cast<bf16>(static_cast<float>(xi[i]) + round_bf16(pp[i]));
+  }
+  auto h = torch::empty_like(x);
+  rms_norm_rows(xo, norm.contiguous().data_ptr<bf16>(), rows, d, eps, h.data_ptr<bf16>());
+  auto gu = linear(h, gate_up, gate_up_n);  // fp32 [rows, 2 * inter]
+  auto act = torch::empty({rows, inter}, x.options());
+  {
+    const float* g = gu.data_ptr<float>();
+    bf16* a = act.data_ptr<bf16>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gr = g + r * gate_up_n;
+      int64_t i = 0;
+      alignas(64) float lanes[LANES];
+      for (; i < inter; i += LANES) {  // silu(gate) = gate / (1 + exp(-gate)), rounded; then * up, rounded
+        const int64_t m = std::min(LANES, inter - i);
+        for (int64_t l = 0; l < LANES; ++l) lanes[l] = l < m ? -round_bf16(gr[i + l]) : 0.0f;
+        vstore(lanes, vexp(vload(lanes)));
+        for (int64_t l = 0; l < m; ++l) {
+          const float gate = round_bf16(gr[i + l]);
+          const float silu = round_bf16(gate / (1.0f + lanes[l]));
+          a[r * inter + i + l] = static_cast<bf16>(silu * round_bf16(gr[inter + i + l]));
+        }
+      }
+    }
+  }
+  auto mlp = linear(act, down, d);
+  const float* mp = mlp.data_ptr<float>();
+  for (int64_t i = 0; i < rows * d; ++i) xo[i] = static_cast<bf16>(static_cast<float>(xo[i]) + round_bf16(mp[i]));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "bf16 weight [n, K] -> the packed layout `linear` reads");
+  m.def("linear", &linear, "rows [..., K] bf16 @ packed weight -> fp32 [..., n], row-invariant");
+  m.def("attention", &attention, "row-invariant bf16 attention over a masked span");
+  m.def("layer_inputs", &layer_inputs, "rms_norm, qkv projection and RoPE of a decoder layer");
+  m.def("layer_outputs", &layer_outputs, "o projection, residual, MLP and residual of a decoder layer");
+}
