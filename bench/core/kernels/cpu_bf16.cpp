@@ -191,23 +191,52 @@ static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 #if defined(SB_AVX512BF16)
 using tile_t = __m512i;  // dimension pair p of 16 slots
 constexpr int64_t TILE_DIMS = 2;
+// 16 x 16 transpose of 32-bit words (r[i] word j -> r[j] word i).
+static inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Rows of 16 slots loaded whole and transposed 16 words (dimension pairs) at a time; slots
+// past `valid` read as zeros.
 static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, int64_t d, tile_t* tile) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i base = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(slot_stride / 2)));
-  const __mmask16 mask = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1u);
-  const int* words = reinterpret_cast<const int*>(k);
-  for (int64_t p = 0; p < d / 2; ++p)
-    tile[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask,
-                                          _mm512_add_epi32(base, _mm512_set1_epi32(static_cast<int32_t>(p))), words, 4);
+  const int64_t words = d / 2;
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t width = std::min<int64_t>(16, words - w0);
+    const __mmask16 mask = width >= 16 ? 0xffff : static_cast<__mmask16>((1u << width) - 1u);
+    __m512i r[16];
+    for (int64_t l = 0; l < 16; ++l)
+      r[l] = l < valid ? _mm512_maskz_loadu_epi32(mask, k + l * slot_stride + 2 * w0) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t p = 0; p < width; ++p) tile[w0 + p] = r[p];
+  }
 }
 static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
-  vec acc = vzero();
+  vec acc[4] = {vzero(), vzero(), vzero(), vzero()};  // pair p into acc[p % 4]: four short chains
   for (int64_t p = 0; p < d / 2; ++p) {
     int32_t pair;
     std::memcpy(&pair, q + 2 * p, sizeof(pair));
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)tile[p], (__m512bh)_mm512_set1_epi32(pair));
+    acc[p % 4] = _mm512_dpbf16_ps(acc[p % 4], (__m512bh)tile[p], (__m512bh)_mm512_set1_epi32(pair));
   }
-  return acc;
+  return vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]));
 }
 #else
 using tile_t = __m256;  // dimension p of 8 slots, fp32
@@ -226,9 +255,9 @@ static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, 
   }
 }
 static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
-  vec acc = vzero();
-  for (int64_t i = 0; i < d; ++i) acc = vfmadd(vset1(static_cast<float>(q[i])), tile[i], acc);
-  return acc;
+  vec acc[4] = {vzero(), vzero(), vzero(), vzero()};  // dimension i into acc[i % 4]
+  for (int64_t i = 0; i < d; ++i) acc[i % 4] = vfmadd(vset1(static_cast<float>(q[i])), tile[i], acc[i % 4]);
+  return vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]));
 }
 #endif
 
@@ -260,9 +289,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   // in slot order, indexed by their position in that sequence.
   constexpr int64_t TOKENS = 8;
   const int64_t blocks = (n + TOKENS - 1) / TOKENS;
-  // Few tasks (a one-token step has one per K/V head): split each task's heads too, so both
-  // cores work; a row's arithmetic is the same in any split.
-  const int64_t splits = kv_heads * blocks < 2 * at::get_num_threads() ? group : 1, per = group / splits;
+  // Fewer tasks than threads (one K/V head): split each task's heads too, so every core works;
+  // a row's arithmetic is the same in any split.
+  const int64_t splits = kv_heads * blocks < at::get_num_threads() ? group : 1, per = group / splits;
   at::parallel_for(0, kv_heads * blocks * splits, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> weights(TOKENS * group * padded);
     std::vector<int32_t> slots(TOKENS * span);  // each token's visible slots, in order
@@ -290,10 +319,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
         for (int64_t t = 0; t < rows; ++t) {
           if (!seen_in_tile[t]) continue;
           const bool* vr = vis + (first + t) * span + j0;
+          const bool whole = seen_in_tile[t] == LANES;  // every slot visible (the prefix): no compaction
           for (int64_t g = g_begin; g < g_end; ++g) {
-            alignas(64) float lanes[LANES];
-            vstore(lanes, vmul(tile_scores(tile, qb + ((h * group + g) * n + first + t) * d, d), vset1(s)));
+            const vec scores = vmul(tile_scores(tile, qb + ((h * group + g) * n + first + t) * d, d), vset1(s));
             float* w = row_weights(t, g) + count[t];
+            if (whole) {
+              vstore(w, scores);
+              continue;
+            }
+            alignas(64) float lanes[LANES];
+            vstore(lanes, scores);
             for (int64_t l = 0, i = 0; l < valid; ++l)
               if (vr[l]) w[i++] = lanes[l];
           }
