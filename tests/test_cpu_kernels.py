@@ -141,3 +141,19 @@ def test_engine_uses_the_kernels_and_stays_close_to_the_torch_path(default_targe
     ours, theirs = outputs
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_slot_attention_rows_equal_attention_alone(kernels):
+    """Self-distillation's step: each sequence's new token over its own filled slots gets the
+    bits of `attention` for that token alone over a span padded with masked slots."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([1, 17, 64, 100, 33])
+    q = torch.randn(5, 9, 64, generator=generator).bfloat16()
+    keys, values = (torch.randn(5, 3, 128, 64, generator=generator).bfloat16() for _ in range(2))
+    keys[0, :, 50:] = float("nan")  # past a row's length: never read
+    out = kernels.slot_attention(q, keys, values, lengths, 0.125)
+    for b, n in enumerate(lengths.tolist()):
+        visible = torch.zeros(1, 128, dtype=torch.bool)
+        visible[0, :n] = True
+        alone = kernels.attention(q[b][:, None], keys[b], values[b], visible, 0.125)[:, 0]
+        assert torch.equal(out[b], alone), b

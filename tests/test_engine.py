@@ -186,10 +186,18 @@ def test_half_precision_engine_runs_close_to_fp32(dtype):
     assert torch.isfinite(step.logits).all()
 
 
-def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target):
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target, dtype_name):
     """bench.core.slots: slots of different lengths, one refilled and one moved mid-way,
-    each produce the engine's own greedy tokens for their prompt."""
+    each produce the engine's own greedy tokens for their prompt; in bf16 on the CPU
+    kernels (self-distillation's generator) bit for bit, the engine decoding alone."""
     import torch
+
+    from bench.core.cpu_kernels import kernels
+
+    dtype = getattr(torch, dtype_name)
+    if dtype == torch.bfloat16 and kernels() is None:
+        pytest.skip("no CPU kernels here: the bf16 slot step is not batch-invariant without them")
 
     from bench.core.decode import DecodeConfig, Drafter, decode
     from bench.core.engine import Engine
@@ -201,8 +209,9 @@ def test_slot_batch_decodes_each_slot_as_the_engine_alone(default_target):
     texts = ("The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village,")
     prompts = [target.tokenizer(text)["input_ids"] for text in texts]
     config = DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.0))
-    expected = [decode(target.engine, Drafter(), p, config).tokens for p in prompts]
-    engine = Engine(target.config, load_state_dict(target.path))
+    engine = Engine(target.config, load_state_dict(target.path), dtype=dtype)
+    alone = Engine(target.config, load_state_dict(target.path), dtype=dtype)
+    expected = [decode(alone, Drafter(), p, config).tokens for p in prompts]
     batch = SlotBatch(engine, slots=2, capacity=64)
     got = [[batch.start(0, prompts[0])], [batch.start(1, prompts[1])], []]
     for _ in range(3):

@@ -61,6 +61,38 @@ class SlotBatch:
         lengths = self.lengths[:live]
         if int(lengths.max()) >= self.capacity:
             raise ValueError("a slot is full: retire it before the next step")
+        if engine.kernels is not None and engine.layers[0]["q_norm"] is None:
+            tokens = self._kernel_step(live)
+        else:
+            tokens = self._torch_step(live)
+        self.lengths[:live] += 1
+        self.last[:live] = tokens
+        return tokens
+
+    def _kernel_step(self, live: int) -> Tensor:
+        """The step on the engine's CPU kernels: every row gets the bits of the same token
+        decoded alone by the engine (its invariant one-token pass), so the replies are exactly
+        the engine's own batch-1 greedy replies."""
+        engine, kernels, lengths = self.engine, self.engine.kernels, self.lengths[:live]
+        packed = engine._kernel_packed
+        rows = torch.arange(live, device=lengths.device)
+        cos, sin = engine.rope(lengths)
+        x = F.embedding(self.last[:live], engine.embed)  # [b, d]
+        for i, layer in enumerate(engine.layers):
+            q, k, v = kernels.layer_inputs(x, layer["in_norm"], *packed[id(layer["qkv"])], layer["qkv_bias"], cos, sin,
+                                           engine.num_heads, engine.num_kv_heads, engine.eps)
+            self.k[i, rows, :, lengths] = k.transpose(0, 1)
+            self.v[i, rows, :, lengths] = v.transpose(0, 1)
+            attn = kernels.slot_attention(q.transpose(0, 1), self.k[i, :live], self.v[i, :live], lengths + 1,
+                                          engine.scale)
+            x = kernels.layer_outputs(x, attn.reshape(live, -1), packed[id(layer["o"])][0], layer["post_norm"],
+                                      *packed[id(layer["gate_up"])], packed[id(layer["down"])][0], engine.eps)
+        x = rms_norm(x, engine.final_norm, engine.eps)
+        with engine.rows_limited(True):  # the lm_head as the one-token pass runs it
+            return engine.linear(x, engine.lm_head).float().argmax(-1)
+
+    def _torch_step(self, live: int) -> Tensor:
+        engine, lengths = self.engine, self.lengths[:live]
         rows = torch.arange(live, device=lengths.device)
         spans = (lengths + 1).tolist()
         cos, sin = engine.rope(lengths)
@@ -81,10 +113,7 @@ class SlotBatch:
                               for r, n in enumerate(spans)])
             x = engine.attention_output_and_mlp(layer, x, attn.reshape(live, -1, 1, attn.shape[-1]))
         x = rms_norm(x[:, 0], engine.final_norm, engine.eps)
-        tokens = engine.linear(x, engine.lm_head).float().argmax(-1)  # bf16 argmax is the slower kernel
-        self.lengths[:live] += 1
-        self.last[:live] = tokens
-        return tokens
+        return engine.linear(x, engine.lm_head).float().argmax(-1)  # bf16 argmax is the slower kernel
 
     def move(self, source: int, dest: int) -> None:
         """Copy slot `source` into slot `dest` (to pack live slots at the front)."""

@@ -261,6 +261,127 @@ static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
 }
 #endif
 
+constexpr int64_t MAXC = 512 / LANES, MAXG = 16;  // head_dim up to 512, up to 16 heads per K/V head
+constexpr int64_t TOKENS = 8;                       // query tokens per task
+
+// The query rows of one task, all on one K/V head: token t (< tokens), head g of the head's
+// group (g_begin <= g < g_end). Row (t, g) reads q + t * q_token + g * q_head, writes
+// out + t * out_token + g * out_head, and sees slot j where vis[t * vis_token + j].
+struct Rows {
+  const bf16* q;
+  int64_t q_token, q_head;
+  float* out;
+  int64_t out_token, out_head;
+  const bool* vis;
+  int64_t vis_token, tokens, group, g_begin, g_end;
+};
+
+// One task's attention over `span` slots of one K/V head. Each slot's key and value are
+// widened once for every row that sees it; a row's sums run over its own slots in slot order,
+// indexed by their position in that sequence.
+static void attend_rows(const Rows& r, const bf16* kh, int64_t ks_slot, const bf16* vh, int64_t vs_slot,
+                        int64_t span, int64_t d, float s, std::vector<float>& weights, std::vector<int32_t>& slots) {
+  const int64_t chunks = d / LANES, padded = (span + LANES - 1) / LANES * LANES, group = r.group;
+  weights.resize(TOKENS * group * padded);
+  slots.resize(TOKENS * span);
+  int64_t count[TOKENS] = {0};
+  auto row_weights = [&](int64_t t, int64_t g) { return weights.data() + (t * group + g) * padded; };
+  // scores, a tile of slots at a time, kept in each row's own slot sequence
+  tile_t tile[512 / TILE_DIMS];
+  for (int64_t j0 = 0; j0 < span; j0 += LANES) {
+    const int64_t valid = std::min(LANES, span - j0);
+    int64_t seen_in_tile[TOKENS] = {0}, any = 0;
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      const bool* vr = r.vis + t * r.vis_token + j0;
+      for (int64_t l = 0; l < valid; ++l) seen_in_tile[t] += vr[l];
+      any += seen_in_tile[t];
+    }
+    if (!any) continue;
+    load_tile(kh + j0 * ks_slot, ks_slot, valid, d, tile);
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      if (!seen_in_tile[t]) continue;
+      const bool* vr = r.vis + t * r.vis_token + j0;
+      const bool whole = seen_in_tile[t] == LANES;  // every slot visible (the prefix): no compaction
+      for (int64_t g = r.g_begin; g < r.g_end; ++g) {
+        const vec scores = vmul(tile_scores(tile, r.q + t * r.q_token + g * r.q_head, d), vset1(s));
+        float* w = row_weights(t, g) + count[t];
+        if (whole) {
+          vstore(w, scores);
+          continue;
+        }
+        alignas(64) float lanes[LANES];
+        vstore(lanes, scores);
+        for (int64_t l = 0, i = 0; l < valid; ++l)
+          if (vr[l]) w[i++] = lanes[l];
+      }
+      int32_t* order = slots.data() + t * span + count[t];
+      for (int64_t l = 0, i = 0; l < valid; ++l)
+        if (vr[l]) order[i++] = static_cast<int32_t>(j0 + l);
+      count[t] += seen_in_tile[t];
+    }
+  }
+  // softmax numerators and their sums, lanes by position in the row's slot sequence
+  float total[TOKENS][MAXG];
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    const int64_t m = count[t], full = m / LANES * LANES;
+    for (int64_t g = r.g_begin; g < r.g_end; ++g) {
+      float* w = row_weights(t, g);
+      float top = -std::numeric_limits<float>::infinity();
+      if (full) {
+        vec mx = vload(w);
+        for (int64_t i = LANES; i < full; i += LANES) mx = vmax(mx, vload(w + i));
+        top = vmaxall(mx);
+      }
+      for (int64_t i = full; i < m; ++i) top = std::max(top, w[i]);
+      vec sum = vzero();
+      for (int64_t i = 0; i < full; i += LANES) {
+        const vec e = vexp(vsub(vload(w + i), vset1(top)));
+        vstore(w + i, e);
+        sum = vadd(sum, e);
+      }
+      float rest = 0.0f;
+      if (full < m) {  // the tail through the same vector exp; padding lanes are dropped
+        alignas(64) float tail[LANES];
+        for (int64_t i = 0; i < LANES; ++i) tail[i] = full + i < m ? w[full + i] - top : -100.0f;
+        vstore(tail, vexp(vload(tail)));
+        for (int64_t i = full; i < m; ++i) rest += (w[i] = tail[i - full]);
+      }
+      total[t][g] = m ? vsum(sum) + rest : 1.0f;
+    }
+  }
+  // weighted values: per token, its heads' sums over its own slot sequence, in order
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    const int32_t* order = slots.data() + t * span;
+    for (int64_t g0 = r.g_begin; g0 < r.g_end; g0 += 4) {  // up to 4 heads x 4 vectors of accumulators in registers
+      const int64_t gn = std::min<int64_t>(4, r.g_end - g0);
+      vec acc[4][MAXC];
+      for (int64_t g = 0; g < gn; ++g)
+        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = vzero();
+      const float* w[4];
+      for (int64_t g = 0; g < gn; ++g) w[g] = row_weights(t, g0 + g);
+      for (int64_t i = 0; i < count[t]; ++i) {
+        const bf16* vr = vh + order[i] * vs_slot;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const vec v = vload_bf16(vr + c * LANES);
+          for (int64_t g = 0; g < gn; ++g) acc[g][c] = vfmadd(vset1(w[g][i]), v, acc[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < gn; ++g) {
+        const vec inv = vset1(1.0f / total[t][g0 + g]);
+        float* out = r.out + t * r.out_token + (g0 + g) * r.out_head;
+        for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, vmul(acc[g][c], inv));
+      }
+    }
+  }
+}
+
+static void check_heads(int64_t heads, int64_t kv_heads, int64_t d) {
+  TORCH_CHECK(d % LANES == 0 && d / LANES <= MAXC && heads % kv_heads == 0 && heads / kv_heads <= MAXG,
+              "attention: unsupported shapes (head_dim a multiple of the vector width up to 512, "
+              "at most 16 heads per K/V head)");
+}
+
+// q [heads, n, D], keys/values [kv_heads, span, D] (rows of D contiguous), visible [n, span].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor visible,
                         double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && visible.dim() == 2, "attention shapes");
@@ -268,12 +389,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                   values.scalar_type() == at::kBFloat16 && visible.scalar_type() == at::kBool,
               "attention takes bf16 q/keys/values and a bool mask");
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = keys.size(0), span = keys.size(1);
-  constexpr int64_t MAXC = 512 / LANES, MAXG = 16;  // head_dim up to 512, up to 16 heads per K/V head
-  TORCH_CHECK(d % LANES == 0 && d / LANES <= MAXC && heads % kv_heads == 0 && heads / kv_heads <= MAXG &&
-                  keys.stride(2) == 1 && values.stride(2) == 1 && values.size(1) == span &&
-                  visible.size(0) == n && visible.size(1) == span,
-              "attention: unsupported shapes (head_dim a multiple of the vector width up to 512, rows contiguous)");
-  const int64_t group = heads / kv_heads, chunks = d / LANES, padded = (span + LANES - 1) / LANES * LANES;
+  check_heads(heads, kv_heads, d);
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && values.size(1) == span && visible.size(0) == n &&
+                  visible.size(1) == span, "attention: keys, values and mask disagree");
+  const int64_t group = heads / kv_heads;
   auto qc = q.contiguous();
   auto seen = visible.contiguous();
   auto result = torch::empty({heads, n, d}, q.options().dtype(at::kFloat));
@@ -282,115 +401,59 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const bf16* kp = keys.data_ptr<bf16>();
   const bf16* vp = values.data_ptr<bf16>();
   float* op = result.data_ptr<float>();
-  const int64_t ks_head = keys.stride(0), ks_slot = keys.stride(1), vs_head = values.stride(0), vs_slot = values.stride(1);
   const float s = static_cast<float>(scale);
-  // One task per (K/V head, block of query tokens): each slot's key and value are widened
-  // once for every row of the block that sees it; a row's sums still run over its own slots
-  // in slot order, indexed by their position in that sequence.
-  constexpr int64_t TOKENS = 8;
   const int64_t blocks = (n + TOKENS - 1) / TOKENS;
   // Fewer tasks than threads (one K/V head): split each task's heads too, so every core works;
   // a row's arithmetic is the same in any split.
   const int64_t splits = kv_heads * blocks < at::get_num_threads() ? group : 1, per = group / splits;
   at::parallel_for(0, kv_heads * blocks * splits, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> weights(TOKENS * group * padded);
-    std::vector<int32_t> slots(TOKENS * span);  // each token's visible slots, in order
+    std::vector<float> weights;
+    std::vector<int32_t> slots;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t part = task % splits, h = task / splits / blocks;
-      const int64_t first = (task / splits % blocks) * TOKENS, last = std::min(n, first + TOKENS);
-      const int64_t g_begin = part * per, g_end = g_begin + per;
-      const int64_t rows = last - first;
-      const bf16* kh = kp + h * ks_head;
-      const bf16* vh = vp + h * vs_head;
-      int64_t count[TOKENS] = {0};
-      auto row_weights = [&](int64_t t, int64_t g) { return weights.data() + (t * group + g) * padded; };
-      // scores, a tile of slots at a time, kept in each row's own slot sequence
-      tile_t tile[512 / TILE_DIMS];
-      for (int64_t j0 = 0; j0 < span; j0 += LANES) {
-        const int64_t valid = std::min(LANES, span - j0);
-        int64_t seen_in_tile[TOKENS] = {0}, any = 0;
-        for (int64_t t = 0; t < rows; ++t) {
-          const bool* vr = vis + (first + t) * span + j0;
-          for (int64_t l = 0; l < valid; ++l) seen_in_tile[t] += vr[l];
-          any += seen_in_tile[t];
-        }
-        if (!any) continue;
-        load_tile(kh + j0 * ks_slot, ks_slot, valid, d, tile);
-        for (int64_t t = 0; t < rows; ++t) {
-          if (!seen_in_tile[t]) continue;
-          const bool* vr = vis + (first + t) * span + j0;
-          const bool whole = seen_in_tile[t] == LANES;  // every slot visible (the prefix): no compaction
-          for (int64_t g = g_begin; g < g_end; ++g) {
-            const vec scores = vmul(tile_scores(tile, qb + ((h * group + g) * n + first + t) * d, d), vset1(s));
-            float* w = row_weights(t, g) + count[t];
-            if (whole) {
-              vstore(w, scores);
-              continue;
-            }
-            alignas(64) float lanes[LANES];
-            vstore(lanes, scores);
-            for (int64_t l = 0, i = 0; l < valid; ++l)
-              if (vr[l]) w[i++] = lanes[l];
-          }
-          int32_t* order = slots.data() + t * span + count[t];
-          for (int64_t l = 0, i = 0; l < valid; ++l)
-            if (vr[l]) order[i++] = static_cast<int32_t>(j0 + l);
-          count[t] += seen_in_tile[t];
-        }
-      }
-      // softmax numerators and their sums, lanes by position in the row's slot sequence
-      float total[TOKENS][MAXG];
-      for (int64_t t = 0; t < rows; ++t) {
-        const int64_t m = count[t], full = m / LANES * LANES;
-        for (int64_t g = g_begin; g < g_end; ++g) {
-          float* w = row_weights(t, g);
-          float top = -std::numeric_limits<float>::infinity();
-          if (full) {
-            vec mx = vload(w);
-            for (int64_t i = LANES; i < full; i += LANES) mx = vmax(mx, vload(w + i));
-            top = vmaxall(mx);
-          }
-          for (int64_t i = full; i < m; ++i) top = std::max(top, w[i]);
-          vec sum = vzero();
-          for (int64_t i = 0; i < full; i += LANES) {
-            const vec e = vexp(vsub(vload(w + i), vset1(top)));
-            vstore(w + i, e);
-            sum = vadd(sum, e);
-          }
-          float rest = 0.0f;
-          if (full < m) {  // the tail through the same vector exp; padding lanes are dropped
-            alignas(64) float tail[LANES];
-            for (int64_t i = 0; i < LANES; ++i) tail[i] = full + i < m ? w[full + i] - top : -100.0f;
-            vstore(tail, vexp(vload(tail)));
-            for (int64_t i = full; i < m; ++i) rest += (w[i] = tail[i - full]);
-          }
-          total[t][g] = m ? vsum(sum) + rest : 1.0f;
-        }
-      }
-      // weighted values: per token, its heads' sums over its own slot sequence, in order
-      for (int64_t t = 0; t < rows; ++t) {
-        const int32_t* order = slots.data() + t * span;
-        for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {  // up to 4 heads x 4 vectors of accumulators in registers
-          const int64_t gn = std::min<int64_t>(4, g_end - g0);
-          vec acc[4][MAXC];
-          for (int64_t g = 0; g < gn; ++g)
-            for (int64_t c = 0; c < chunks; ++c) acc[g][c] = vzero();
-          const float* w[4];
-          for (int64_t g = 0; g < gn; ++g) w[g] = row_weights(t, g0 + g);
-          for (int64_t i = 0; i < count[t]; ++i) {
-            const bf16* vr = vh + order[i] * vs_slot;
-            for (int64_t c = 0; c < chunks; ++c) {
-              const vec v = vload_bf16(vr + c * LANES);
-              for (int64_t g = 0; g < gn; ++g) acc[g][c] = vfmadd(vset1(w[g][i]), v, acc[g][c]);
-            }
-          }
-          for (int64_t g = 0; g < gn; ++g) {
-            const vec inv = vset1(1.0f / total[t][g0 + g]);
-            float* out = op + ((h * group + g0 + g) * n + first + t) * d;
-            for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, vmul(acc[g][c], inv));
-          }
-        }
-      }
+      const int64_t part = task % splits, h = task / splits / blocks, first = (task / splits % blocks) * TOKENS;
+      const int64_t base = h * group * n + first;
+      const Rows rows{qb + base * d, d, n * d, op + base * d, d, n * d, vis + first * span, span,
+                      std::min(n, first + TOKENS) - first, group, part * per, part * per + per};
+      attend_rows(rows, kp + h * keys.stride(0), keys.stride(1), vp + h * values.stride(0), values.stride(1),
+                  span, d, s, weights, slots);
+    }
+  });
+  return result.to(at::kBFloat16);
+}
+
+// Many sequences, one new token each: q [B, heads, D]; keys/values [B, kv_heads, capacity, D];
+// row b sees its first lengths[b] slots. Each row's bits are those `attention` gives the same
+// token alone over its sequence (the same per-row arithmetic).
+torch::Tensor slot_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor lengths,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
+                  keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16,
+              "slot_attention takes bf16 q [B, heads, D] and caches [B, kv_heads, capacity, D]");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = keys.size(1), capacity = keys.size(2);
+  check_heads(heads, kv_heads, d);
+  TORCH_CHECK(keys.size(0) >= batch && values.size(0) >= batch && keys.stride(3) == 1 && values.stride(3) == 1,
+              "slot_attention: caches do not match the rows");
+  auto lens = lengths.to(at::kLong).contiguous();
+  TORCH_CHECK(lens.numel() == batch, "slot_attention: one length per row");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(lp[b] >= 0 && lp[b] <= capacity, "slot_attention: length past capacity");
+  const int64_t group = heads / kv_heads;
+  auto qc = q.contiguous();
+  auto result = torch::empty({batch, heads, d}, q.options().dtype(at::kFloat));
+  const bf16* qb = qc.data_ptr<bf16>();
+  float* op = result.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  std::vector<char> ones_storage(capacity + 1, 1);
+  const bool* ones = reinterpret_cast<const bool*>(ones_storage.data());
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> weights;
+    std::vector<int32_t> slots;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, base = b * heads + h * group;
+      const Rows rows{qb + base * d, 0, d, op + base * d, 0, d, ones, 0, 1, group, 0, group};
+      attend_rows(rows, keys.data_ptr<bf16>() + b * keys.stride(0) + h * keys.stride(1), keys.stride(2),
+                  values.data_ptr<bf16>() + b * values.stride(0) + h * values.stride(1), values.stride(2), lp[b], d, s,
+                  weights, slots);
     }
   });
   return result.to(at::kBFloat16);
@@ -514,6 +577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "bf16 weight [n, K] -> the packed layout `linear` reads");
   m.def("linear", &linear, "rows [..., K] bf16 @ packed weight -> fp32 [..., n], row-invariant");
   m.def("attention", &attention, "row-invariant bf16 attention over a masked span");
+  m.def("slot_attention", &slot_attention, "one new token per sequence, each over its own filled slots");
   m.def("layer_inputs", &layer_inputs, "rms_norm, qkv projection and RoPE of a decoder layer");
   m.def("layer_outputs", &layer_outputs, "o projection, residual, MLP and residual of a decoder layer");
 }

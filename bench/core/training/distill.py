@@ -385,6 +385,8 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
 
     engine = Engine(target.config, load_state_dict(target.path), device=device, dtype=parse_dtype(dtype))
     batch = SlotBatch(engine, batch_size, settings.max_context)
+    # slots-kernels: rows on the CPU kernels, bit-equal to the engine's batch-1 greedy decoding
+    generator = "slots-kernels" if engine.kernels is not None else "slots"
     bar = tqdm(total=min_reply_tokens, initial=have, desc="self-distilled reply tokens", unit="tok",
                disable=not progress, smoothing=0.05)
     work = ((k, items[k * size:(k + 1) * size]) for k in todo)
@@ -411,7 +413,7 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
                  "turns": sum(len(row["turns"]) for row in rows), "reply_tokens": replies,
                  "tokens": sum(len(row["tokens"]) for row in rows), "seconds": round(seconds, 1),
                  "reply_tok_per_s": round(replies / max(seconds, 1e-9), 1), "batch_size": batch_size,
-                 "device": device, "threads": torch.get_num_threads(), "generator": "slots",
+                 "device": device, "threads": torch.get_num_threads(), "generator": generator,
                  "finished_at": timestamp()}
         index = json.loads(index_path.read_text())  # another machine's shards may have been copied in
         index["shards"] = [s for s in index["shards"] if s["shard"] != k] + [entry]
