@@ -157,3 +157,22 @@ def test_slot_attention_rows_equal_attention_alone(kernels):
         visible[0, :n] = True
         alone = kernels.attention(q[b][:, None], keys[b], values[b], visible, 0.125)[:, 0]
         assert torch.equal(out[b], alone), b
+
+
+def test_packed_linear_matches_and_repacks_on_change():
+    """cpu_kernels.linear: bf16 inference on the packed weight (the kernel's result, bias
+    added), a weight changed in place repacked, and F.linear wherever a gradient is needed."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no kernels here")
+    layer = cpu_kernels.PackedLinear(40, 24).bfloat16().requires_grad_(False)
+    x = torch.randn(3, 40).bfloat16()
+    built = cpu_kernels.kernels()
+    expected = (built.linear(x, built.pack(layer.weight), 24) + layer.bias).bfloat16()
+    assert torch.equal(layer(x), expected)
+    assert (layer(x).float() - F.linear(x.float(), layer.weight.float(), layer.bias.float())).abs().max() < 0.05
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    assert torch.equal(layer(x), (built.linear(x, built.pack(layer.weight), 24) + layer.bias).bfloat16())
+    trained = cpu_kernels.PackedLinear(40, 24).bfloat16()  # requires grad: autograd's F.linear
+    out = trained(x)
+    assert out.requires_grad and torch.equal(out, F.linear(x, trained.weight, trained.bias))

@@ -16,8 +16,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 from pathlib import Path
 from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from bench.core.provenance import cpu_flags
 
@@ -55,3 +60,34 @@ def kernels(tier: str | None = None) -> ModuleType | None:
         print(f"spec-bench: CPU bf16 kernels not built ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
               "using oneDNN and fp64 attention", file=sys.stderr)
         return None
+
+
+_PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, on the kernels for bf16 inference on a CPU that builds them. `weight` is packed
+    once and kept while that tensor lives unchanged (F.linear re-packs a bf16 weight on every
+    call on the CPU): for weights that persist (a module's, a drafter's lm_head copy), not views
+    made per call."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
+            or x.numel() == 0 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        return F.linear(x, weight, bias)
+    built = kernels()
+    if built is None:
+        return F.linear(x, weight, bias)
+    key = id(weight)
+    entry = _PACKED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+        entry = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), weight._version,
+                 built.pack(weight.detach().contiguous()))
+        _PACKED[key] = entry
+    out = built.linear(x, entry[2], weight.shape[0])
+    return (out if bias is None else out + bias).to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear whose bf16 inference on the CPU runs `linear` above (drafters' layers)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.core.cpu_kernels import PackedLinear
+from bench.core.cpu_kernels import linear as packed_linear
 from bench.core.engine import rms_norm, rotate_half
 from methods.eagle.model import layer_shape
 
@@ -197,10 +199,10 @@ class Attention(nn.Module):
     def __init__(self, c: BlockConfig) -> None:
         super().__init__()
         d, hd = c.hidden_size, c.head_dim
-        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * hd, d, bias=False)
+        self.q_proj = PackedLinear(d, c.num_heads * hd, bias=False)
+        self.k_proj = PackedLinear(d, c.num_kv_heads * hd, bias=False)
+        self.v_proj = PackedLinear(d, c.num_kv_heads * hd, bias=False)
+        self.o_proj = PackedLinear(c.num_heads * hd, d, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(hd, c.rms_norm_eps)
             self.k_norm = RMSNorm(hd, c.rms_norm_eps)
@@ -209,9 +211,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: BlockConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = PackedLinear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = PackedLinear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -234,13 +236,13 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        self.markov_w2 = PackedLinear(rank, draft_vocab_size, bias=False)
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, features: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(features, 1)
+        self.proj = PackedLinear(features, 1)
 
 
 # Weight names of drafters saved before the z-lab layout (legacy drafter folders).
@@ -272,7 +274,7 @@ class BlockDraftModel(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(len(config.taps) * d, d, bias=False)
+        self.fc = PackedLinear(len(config.taps) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         if config.mask_token_id is None:  # legacy drafters: a learned MASK input vector
             self.mask_embed = nn.Parameter(torch.zeros(d))
@@ -367,7 +369,7 @@ class BlockDraftModel(nn.Module):
     def logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
         """U_i over the draft vocabulary (fp32) from `lm_head` [Vd, d] (the target's rows)."""
         c = self.config
-        logits = F.linear(hidden, lm_head).float()
+        logits = packed_linear(hidden, lm_head).float()
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:

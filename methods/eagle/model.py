@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.core.cpu_kernels import PackedLinear
+from bench.core.cpu_kernels import linear as packed_linear
 from bench.core.engine import KVCache, rms_norm, rotate_half
 
 
@@ -96,10 +98,10 @@ Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, q, k, v) -> 
 def _add_attention(module: nn.Module, config: EagleConfig, attn_in: int) -> None:
     """q/k/v/o projections (and Qwen3's q/k norms) of one layer, as attributes of `module`."""
     d, hd = config.hidden_size, config.head_dim
-    module.q_proj = nn.Linear(attn_in, config.num_heads * hd, bias=config.qkv_bias)
-    module.k_proj = nn.Linear(attn_in, config.num_kv_heads * hd, bias=config.qkv_bias)
-    module.v_proj = nn.Linear(attn_in, config.num_kv_heads * hd, bias=config.qkv_bias)
-    module.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
+    module.q_proj = PackedLinear(attn_in, config.num_heads * hd, bias=config.qkv_bias)
+    module.k_proj = PackedLinear(attn_in, config.num_kv_heads * hd, bias=config.qkv_bias)
+    module.v_proj = PackedLinear(attn_in, config.num_kv_heads * hd, bias=config.qkv_bias)
+    module.o_proj = PackedLinear(config.num_heads * hd, d, bias=config.o_bias)
     if config.qk_norm:
         module.q_norm = nn.Parameter(torch.ones(hd))
         module.k_norm = nn.Parameter(torch.ones(hd))
@@ -107,9 +109,9 @@ def _add_attention(module: nn.Module, config: EagleConfig, attn_in: int) -> None
 
 def _add_mlp(module: nn.Module, config: EagleConfig) -> None:
     d = config.hidden_size
-    module.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-    module.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-    module.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+    module.gate_proj = PackedLinear(d, config.intermediate_size, bias=False)
+    module.up_proj = PackedLinear(d, config.intermediate_size, bias=False)
+    module.down_proj = PackedLinear(config.intermediate_size, d, bias=False)
 
 
 def _project(module: nn.Module, config: EagleConfig, x: Tensor, cos: Tensor,
@@ -160,7 +162,7 @@ class EagleHead(nn.Module):
         self.config = config
         d, hd = config.hidden_size, config.head_dim
         eagle3 = config.kind == "eagle3"
-        self.fc = nn.Linear(len(config.taps) * d if eagle3 else 2 * d, d, bias=not eagle3)
+        self.fc = PackedLinear(len(config.taps) * d if eagle3 else 2 * d, d, bias=not eagle3)
         _add_attention(self, config, 2 * d if eagle3 else d)
         _add_mlp(self, config)
         self.hidden_norm = nn.Parameter(torch.ones(d))
@@ -168,7 +170,7 @@ class EagleHead(nn.Module):
         if eagle3:
             self.embed_norm = nn.Parameter(torch.ones(d))
             self.final_norm = nn.Parameter(torch.ones(d))
-            self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
+            self.lm_head = PackedLinear(d, config.draft_vocab_size or config.vocab_size, bias=False)
             # draft id -> target id (identity when the draft vocabulary is the full one)
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size or config.vocab_size))
             if config.fc_norm:
@@ -249,7 +251,7 @@ class EagleHead(nn.Module):
             if self.config.norm_output:  # run_layers has normed it already
                 return self.lm_head(out)
             return self.lm_head(rms_norm(out, self.final_norm, self.config.rms_norm_eps))
-        return F.linear(out, target_lm_head)
+        return packed_linear(out, target_lm_head)
 
     # --------------------------------------------------------- decode time
     def new_cache(self) -> KVCache:

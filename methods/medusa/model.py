@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.core.cpu_kernels import PackedLinear
+from bench.core.cpu_kernels import linear as packed_linear
 from bench.core.drafters import MANIFEST, WEIGHTS, open_drafter, read_weights, write_drafter
 from bench.core.errors import BenchError
 from bench.core.formats import check_matches_target, read_config, read_folder_weights, write_published
@@ -42,7 +44,7 @@ LAYOUTS = ("medusa", "medusa-vllm")  # FasterDecoding's, vLLM's
 class ResBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
+        self.linear = PackedLinear(hidden, hidden)
         nn.init.zeros_(self.linear.weight)  # starts as x + SiLU(b): close to the target's own prediction
 
     def forward(self, x: Tensor) -> Tensor:
@@ -70,13 +72,13 @@ class MedusaHeads(nn.Module):
         """[n, d] -> [heads, n, V]; one pass over the shared lm_head for all heads."""
         states = self.states(hidden, heads)
         if self.own_lm_heads is not None:
-            logits = torch.stack([F.linear(s, w) for s, w in zip(states, self.own_lm_heads)])
+            logits = torch.stack([packed_linear(s, w) for s, w in zip(states, self.own_lm_heads)])
             if self.token_map is None:
                 return logits
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             full[..., self.token_map] = logits  # tokens outside the truncated vocabulary are never drafted
             return full
-        return F.linear(states, lm_head)
+        return packed_linear(states, lm_head)
 
     def to_engine(self, device, dtype) -> MedusaHeads:
         """Heads, own lm_heads and token map on the target's device, in its dtype."""

@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.core.cpu_kernels import linear as packed_linear
 from bench.core.decode import DecodeState, Drafter
 from bench.core.draft import Draft
 from bench.core.engine import Engine, ForwardOutput
@@ -66,7 +66,7 @@ class MtpDrafter(Drafter):
 
     def _choose(self, normed: Tensor, state: DecodeState, step: int) -> tuple[int, Tensor | None]:
         """Draft token from the output g [d]: argmax (q one-hot), or sampled from warped q."""
-        logits = F.linear(normed, self.lm_head).float()
+        logits = packed_linear(normed, self.lm_head).float()
         cfg = state.config.sampling
         if cfg.greedy or not self.sample:
             return int(logits.argmax()), None

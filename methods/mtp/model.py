@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.core.cpu_kernels import linear as packed_linear
 from bench.core.engine import Engine, KVCache, rms_norm, rotate_half
 
 VARIANTS = ("sequential", "parallel")
@@ -99,7 +100,7 @@ class DecoderLayer(nn.Module):
         """x [1, n, d] -> q [1, heads, n, hd], k and v [1, kv_heads, n, hd], RoPE applied."""
         s = self.shape
         n = x.shape[1]
-        qkv = F.linear(rms_norm(x, self.in_norm, s.rms_norm_eps), self.qkv, self.qkv_bias)
+        qkv = packed_linear(rms_norm(x, self.in_norm, s.rms_norm_eps), self.qkv, self.qkv_bias)
         q, k, v = qkv.split((s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                              s.num_kv_heads * s.head_dim), dim=-1)
         q = q.view(1, n, s.num_heads, s.head_dim).transpose(1, 2)
@@ -112,9 +113,9 @@ class DecoderLayer(nn.Module):
     def finish(self, x: Tensor, attn: Tensor) -> Tensor:
         """Residual attention output, then the MLP block: x [1, n, d], attn [1, heads, n, hd]."""
         attn = attn.transpose(1, 2).reshape(1, x.shape[1], -1)
-        x = x + F.linear(attn, self.o)
-        gate, up = F.linear(rms_norm(x, self.post_norm, self.shape.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        x = x + packed_linear(attn, self.o)
+        gate, up = packed_linear(rms_norm(x, self.post_norm, self.shape.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return x + packed_linear(F.silu(gate) * up, self.down)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -171,7 +172,7 @@ class SequentialMTP(nn.Module):
         """proj([RMSNorm(embedding); RMSNorm(feature)]), halves in `fuse_order`."""
         eps = self.shape.rms_norm_eps
         e, h = rms_norm(embedding, self.norm_e, eps), rms_norm(feature, self.norm_h, eps)
-        return F.linear(torch.cat([e, h] if self.fuse_order == "embedding_first" else [h, e], -1), self.proj)
+        return packed_linear(torch.cat([e, h] if self.fuse_order == "embedding_first" else [h, e], -1), self.proj)
 
     def out(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.final_norm, self.shape.rms_norm_eps)
