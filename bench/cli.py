@@ -358,6 +358,43 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tag
 
 
 @main.command()
+@click.option("--method", required=True, help="a method whose drafter folder to ship (sps, medusa, mtp, eagle, "
+              "eagle3, dflash, dspark)")
+@click.option("--drafter", default=None, help="the drafter folder to ship (default: the user-trained one)")
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
+@click.option("--dtype", type=click.Choice(["bfloat16", "keep"]), default="bfloat16", show_default=True,
+              help="stored dtype of the float weights: bfloat16 (as published checkpoints; exact for drafters "
+                   "that compute in bf16) or keep (medusa computes in the target's dtype)")
+def ship(method, drafter, target, dtype) -> None:
+    """Make a trained drafter the project's shipped one (methods/checkpoints/<target>/<method>/,
+    replacing the old files), then check every shipped drafter together against the 100 MB budget."""
+    from pathlib import Path
+
+    import methods
+    from bench.core.drafters import MANIFEST, SHIPPED_BUDGET_BYTES, ship_drafter, shipped_bytes, user_dir
+    from bench.core.target import resolve_target
+    from bench.registry import get_method
+
+    spec = get_method(method)
+    if not spec.trained:
+        raise BenchError(f"method '{spec.name}' has no trained drafter to ship")
+    name, _ = resolve_target(target)
+    source = Path(drafter) if drafter else user_dir(name, spec.name)
+    if not (source / MANIFEST).is_file():
+        raise BenchError(f"no drafter in {source} (train one with `bench train --method {spec.name}` or give --drafter)")
+    root = Path(methods.__file__).parent / "checkpoints"
+    import torch
+
+    size = ship_drafter(source, root / name / spec.name, torch.bfloat16 if dtype == "bfloat16" else None)
+    total = shipped_bytes(root)
+    click.echo(f"shipped {root / name / spec.name}: {size / 1e6:.1f} MB; every shipped drafter: {total / 1e6:.1f} MB "
+               f"(budget {SHIPPED_BUDGET_BYTES / 1e6:.0f} MB)")
+    if total > SHIPPED_BUDGET_BYTES:
+        raise BenchError(f"the shipped drafters total {total / 1e6:.1f} MB, over the "
+                         f"{SHIPPED_BUDGET_BYTES / 1e6:.0f} MB budget")
+
+
+@main.command()
 @click.option("--method", default=None, help="a method with a trained drafter (see `bench list`); for --format "
               "specbench, the run's method (or give --run)")
 @click.option("--format", "fmt", required=True,

@@ -252,3 +252,40 @@ def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     assert manifest["training"]["max_steps"] == summary["steps"]
     with pytest.raises(BenchError, match="epochs"):
         dataclasses.replace(settings, epochs=1.0).loop_config()
+
+
+def test_ship_drafter_stores_bf16_and_keeps_side_files(tmp_path):
+    """bench ship's copy: float weights stored in bf16 (exactly what a bf16 drafter computes
+    with), integer tables as they are, side files copied, the stored dtype in the manifest."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bench.core.drafters import MANIFEST, WEIGHTS, ship_drafter, shipped_bytes
+
+    source = tmp_path / "trained"
+    source.mkdir()
+    weights = {"w": torch.randn(8, 4), "vocab": torch.arange(5)}
+    save_file(weights, str(source / WEIGHTS))
+    (source / MANIFEST).write_text(json.dumps({"method": "eagle3", "training": {"steps": 3}}))
+    (source / "draft_vocab.json").write_text("[1, 2]")
+    root = tmp_path / "shipped"
+    size = ship_drafter(source, root / "target" / "eagle3")
+    shipped = load_file(str(root / "target" / "eagle3" / WEIGHTS))
+    assert shipped["w"].dtype == torch.bfloat16 and torch.equal(shipped["w"], weights["w"].bfloat16())
+    assert torch.equal(shipped["vocab"], weights["vocab"])
+    manifest = json.loads((root / "target" / "eagle3" / MANIFEST).read_text())
+    assert manifest["stored_dtype"] == "bfloat16" and manifest["training"] == {"steps": 3}
+    assert (root / "target" / "eagle3" / "draft_vocab.json").read_text() == "[1, 2]"
+    assert size == shipped_bytes(root) > 0
+
+
+def test_bench_ship_without_a_trained_drafter_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    result = CliRunner().invoke(main, ["ship", "--method", "eagle3", "--drafter", str(tmp_path / "none")])
+    assert result.exit_code != 0 and "no drafter in" in result.output and "Traceback" not in result.output
+    assert CliRunner().invoke(main, ["ship", "--method", "pld"]).exit_code != 0  # nothing to ship

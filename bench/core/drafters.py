@@ -175,3 +175,33 @@ def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict
     (tmp / WEIGHTS).replace(folder / WEIGHTS)
     (tmp / MANIFEST).replace(folder / MANIFEST)
     tmp.rmdir()
+
+
+SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
+
+
+def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfloat16) -> int:
+    """Copy the drafter in `source` (weights and manifest) over the one in `dest`, its float
+    weights stored in `dtype` (bf16 as published checkpoints are; None keeps them): drafters
+    that compute in bf16 draft exactly as before. The manifest records the stored dtype.
+    Returns the bytes now in `dest`."""
+    from safetensors.torch import load_file
+
+    source, dest = Path(source), Path(dest)
+    manifest = read_manifest(source)
+    weights = load_file(str(source / WEIGHTS))
+    if dtype is not None:
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        manifest["stored_dtype"] = str(dtype).removeprefix("torch.")
+    dest.mkdir(parents=True, exist_ok=True)
+    for extra in source.iterdir():  # side files (a draft vocabulary, a tokenizer): as they are
+        if extra.is_file() and extra.name not in (WEIGHTS, MANIFEST) and not extra.name.startswith("."):
+            (dest / extra.name).write_bytes(extra.read_bytes())
+    if source.resolve() != dest.resolve() or dtype is not None:
+        write_drafter(dest, weights, manifest)
+    return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
+
+
+def shipped_bytes(root: Path) -> int:
+    """Bytes of every drafter folder under a shipped root (<root>/<target>/<method>/)."""
+    return sum(f.stat().st_size for f in Path(root).glob("*/*/*") if f.is_file())
