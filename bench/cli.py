@@ -370,6 +370,8 @@ def ship(method, drafter, target, dtype) -> None:
     replacing the old files), then check every shipped drafter together against the 100 MB budget."""
     from pathlib import Path
 
+    import torch
+
     import methods
     from bench.core.drafters import MANIFEST, SHIPPED_BUDGET_BYTES, ship_drafter, shipped_bytes, user_dir
     from bench.core.target import resolve_target
@@ -381,10 +383,9 @@ def ship(method, drafter, target, dtype) -> None:
     name, _ = resolve_target(target)
     source = Path(drafter) if drafter else user_dir(name, spec.name)
     if not (source / MANIFEST).is_file():
-        raise BenchError(f"no drafter in {source} (train one with `bench train --method {spec.name}` or give --drafter)")
+        raise BenchError(f"no drafter in {source} (train one with `bench train --method {spec.name}` "
+                         "or give --drafter)")
     root = Path(methods.__file__).parent / "checkpoints"
-    import torch
-
     size = ship_drafter(source, root / name / spec.name, torch.bfloat16 if dtype == "bfloat16" else None)
     total = shipped_bytes(root)
     click.echo(f"shipped {root / name / spec.name}: {size / 1e6:.1f} MB; every shipped drafter: {total / 1e6:.1f} MB "
