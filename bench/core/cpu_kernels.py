@@ -6,14 +6,15 @@ engine's earlier invariant path (fp64 attention, oneDNN GEMMs in row chunks and 
 pieces), which kept bf16 token-exact but cost ~40% at k = 16.
 
 The build is for this CPU's instruction tier (AVX512-BF16, else AVX2 + FMA), cached by torch
-under its extensions folder and keyed by tier, so a home shared by two machines never runs
-one's binary on the other. Without a compiler or either tier, `kernels()` is None and the
+under its extensions folder and keyed by tier and source hash, so a home shared by two
+machines never runs one's binary on the other, nor two checkouts each other's. Without a compiler or either tier, `kernels()` is None and the
 engine keeps its earlier path. SPEC_BENCH_CPU_KERNELS=0 turns them off (A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import weakref
@@ -54,7 +55,10 @@ def kernels(tier: str | None = None) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"spec_bench_cpu_bf16_{tier}", sources=[str(SOURCE)],
+        # Named by tier and source: checkouts of two versions (a run from a clone beside the
+        # main tree) each keep their own build instead of rebuilding one folder in turn.
+        version = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+        return load(name=f"spec_bench_cpu_bf16_{tier}_{version}", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-fopenmp", *TIERS[tier][1]], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, headers or disk: the engine's earlier path still works
         print(f"spec-bench: CPU bf16 kernels not built ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "

@@ -420,6 +420,22 @@ class Engine:
                 hidden[i + 1] = x
         return x, hidden
 
+    def _kernel_layers(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, visible: Tensor,
+                       taps: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
+        """decoder_layers for an invariant batch-1 pass on the CPU kernels: one call per layer
+        (its norms, projections, RoPE, K/V write, attention and MLP), the same bits as the
+        layer's fused halves with the attention between them."""
+        hidden = {0: x} if 0 in taps else {}
+        rows, packed = x[0], self._kernel_packed
+        for i, layer in enumerate(self.layers):
+            rows = self.kernels.layer_step(
+                rows, layer["in_norm"], *packed[id(layer["qkv"])], layer["qkv_bias"], cos, sin, self.cache.k[i, 0],
+                self.cache.v[i, 0], start, visible, self.scale, packed[id(layer["o"])][0], layer["post_norm"],
+                *packed[id(layer["gate_up"])], packed[id(layer["down"])][0], self.num_heads, self.num_kv_heads, self.eps)
+            if i + 1 in taps and i + 1 < self.num_layers:
+                hidden[i + 1] = rows[None]
+        return rows[None], hidden
+
     # --------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
@@ -502,7 +518,11 @@ class Engine:
                                                   scale=self.scale, enable_gqa=True)
 
         with self.rows_limited(invariant):
-            x, hidden = self.decoder_layers(F.embedding(tokens, self.embed)[None], cos, sin, attend, taps)
+            x = F.embedding(tokens, self.embed)[None]
+            if invariant and real == n and self.kernels is not None and self.layers[0]["q_norm"] is None:
+                x, hidden = self._kernel_layers(x, cos[0, 0], sin[0, 0], start, visible, taps)
+            else:
+                x, hidden = self.decoder_layers(x, cos, sin, attend, taps)
             hidden = {t: h[0, :real] for t, h in hidden.items()}
             x = rms_norm(x[:, :real], self.final_norm, self.eps)[0]
             if self.num_layers in taps:

@@ -573,6 +573,24 @@ torch::Tensor layer_outputs(torch::Tensor x, torch::Tensor attn, torch::Tensor o
   return out;
 }
 
+// A whole decoder layer of a batch-1 pass after the prefill, in one call: the n new rows'
+// K/V written at slots [start, start + n) of this layer's cache [kv_heads, capacity, D], their
+// attention over the first visible.size(1) slots as `visible` [n, span] allows, then the rest
+// of the layer. The same arithmetic as layer_inputs, attention and layer_outputs in turn.
+torch::Tensor layer_step(torch::Tensor x, torch::Tensor in_norm, torch::Tensor qkv, int64_t qkv_n,
+                         c10::optional<torch::Tensor> bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, int64_t start, torch::Tensor visible, double scale, torch::Tensor o,
+                         torch::Tensor post_norm, torch::Tensor gate_up, int64_t gate_up_n, torch::Tensor down,
+                         int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t n = x.size(0), span = visible.size(1);
+  TORCH_CHECK(start + n <= span && span <= k_cache.size(1), "layer_step: the rows do not fit the cache");
+  auto qkv_rows = layer_inputs(x, in_norm, qkv, qkv_n, bias, cos, sin, heads, kv_heads, eps);
+  k_cache.slice(1, start, start + n).copy_(qkv_rows[1]);
+  v_cache.slice(1, start, start + n).copy_(qkv_rows[2]);
+  auto attn = attention(qkv_rows[0], k_cache.slice(1, 0, span), v_cache.slice(1, 0, span), visible, scale);
+  return layer_outputs(x, attn.transpose(0, 1).reshape({n, -1}), o, post_norm, gate_up, gate_up_n, down, eps);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "bf16 weight [n, K] -> the packed layout `linear` reads");
   m.def("linear", &linear, "rows [..., K] bf16 @ packed weight -> fp32 [..., n], row-invariant");
@@ -580,4 +598,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_attention", &slot_attention, "one new token per sequence, each over its own filled slots");
   m.def("layer_inputs", &layer_inputs, "rms_norm, qkv projection and RoPE of a decoder layer");
   m.def("layer_outputs", &layer_outputs, "o projection, residual, MLP and residual of a decoder layer");
+  m.def("layer_step", &layer_step, "a whole decoder layer of a batch-1 pass, its K/V written into the cache");
 }
