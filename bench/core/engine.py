@@ -431,7 +431,8 @@ class Engine:
             rows = self.kernels.layer_step(
                 rows, layer["in_norm"], *packed[id(layer["qkv"])], layer["qkv_bias"], cos, sin, self.cache.k[i, 0],
                 self.cache.v[i, 0], start, visible, self.scale, packed[id(layer["o"])][0], layer["post_norm"],
-                *packed[id(layer["gate_up"])], packed[id(layer["down"])][0], self.num_heads, self.num_kv_heads, self.eps)
+                *packed[id(layer["gate_up"])], packed[id(layer["down"])][0], self.num_heads, self.num_kv_heads,
+                self.eps)
             if i + 1 in taps and i + 1 < self.num_layers:
                 hidden[i + 1] = rows[None]
         return rows[None], hidden
