@@ -8,7 +8,8 @@ pieces), which kept bf16 token-exact but cost ~40% at k = 16.
 The build is for this CPU's instruction tier (AVX512-BF16, else AVX2 + FMA), cached by torch
 under its extensions folder and keyed by tier and source hash, so a home shared by two
 machines never runs one's binary on the other, nor two checkouts each other's. Without a
-compiler or either tier, `kernels()` is None and the engine keeps its earlier path. SPEC_BENCH_CPU_KERNELS=0 turns them off (A/B runs).
+compiler or either tier, `kernels()` is None and the engine keeps its earlier path.
+SPEC_BENCH_CPU_KERNELS=0 turns them off (A/B runs).
 """
 
 from __future__ import annotations
