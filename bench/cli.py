@@ -156,7 +156,7 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
     from pathlib import Path
 
     from bench.core.drafters import user_dir
-    from bench.core.target import default_device, load_target
+    from bench.core.target import default_device, load_target, resolve_dtype
     from bench.core.training import TrainSettings
     from bench.registry import get_method
     from bench.run import check_device
@@ -175,7 +175,9 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
 
         torch.set_num_threads(threads)
     check_device(device)
-    loaded = load_target(target, device)
+    # The target in the training precision: bf16 where native, so its features are the ones
+    # `--dtype auto` decodes with (and extracted about 2.4x faster than in fp32 on such CPUs).
+    loaded = load_target(target, device, resolve_dtype(precision, device or default_device()))
     settings = TrainSettings(
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,

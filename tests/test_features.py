@@ -27,6 +27,9 @@ def test_features_equal_a_fresh_forward_and_resume(default_target, cache, one_th
     out = default_target.engine.prefill(first, taps=(2, 30), logits_rows="none")
     assert torch.equal(out.hidden[30].to(torch.bfloat16), loaded["h30"][: len(first)])
     assert loaded["loss_mask"].any() and not loaded["loss_mask"].all()
+    # The extracting engine's dtype is part of the key: a bf16 target gets its own cache.
+    assert store.index["data"]["dtype"] == "float32"
+    assert FeatureData(max_tokens=1200, max_len=256, dtype="bfloat16").key() != FeatureData(**store.index["data"]).key()
     # Interrupted after the first shard: the rerun extracts only what is missing, identically.
     folder = features_dir(default_target, data)
     index = json.loads((folder / "index.json").read_text())

