@@ -202,13 +202,40 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
 @click.option("--drop-tap", "drop", type=int, multiple=True,
               help="delete this layer's states from the cache (repeatable; re-extracted when a method asks)")
 @click.option("--cache", "folder", default=None, help="with --drop-tap: the cache folder (needed when several exist)")
-def features(drop, folder) -> None:
+@click.option("--extract", "extract", default=None,
+              help="tap numbers, e.g. 2,15,27,28,30: extract (or grow) the cache with these layers in one target "
+                   "pass, so that several methods' runs then read it without another pass")
+@click.option("--tokens", type=float, default=None, help="with --extract: tokens to extract (as feature_tokens)")
+@click.option("--self-distill", is_flag=True, help="with --extract: the target's own replies (bench distill)")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="with --extract: CPU threads for torch")
+def features(drop, folder, extract, tokens, self_distill, threads) -> None:
     """The cached target features (bench train extracts them): tokens, taps, size; --drop-tap
-    frees the disk of layers the next training run does not read."""
+    frees the disk of layers the next training run does not read; --extract fills a cache
+    for several methods in one pass (in the training precision, as `bench train`)."""
     from pathlib import Path
 
     from bench.core.training.features import FeatureStore, describe_cache, drop_taps, feature_caches
 
+    if extract:
+        import methods  # noqa: F401  (registers the project's shipped data, methods/distilled/)
+        from bench.core.target import default_device, load_target, resolve_dtype
+        from bench.core.training.features import FeatureData, ensure_features
+
+        try:
+            taps = tuple(sorted({int(t) for t in extract.split(",") if t.strip()}))
+        except ValueError:
+            raise BenchError(f"--extract takes tap numbers like 2,15,30, got '{extract}'") from None
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        device = default_device()
+        loaded = load_target(None, device, resolve_dtype("auto", device))
+        if not taps or max(taps) > loaded.config.num_hidden_layers or min(taps) < 0:
+            raise BenchError(f"--extract taps must lie in 0..{loaded.config.num_hidden_layers}, got '{extract}'")
+        data = FeatureData(self_distill=self_distill, **({"max_tokens": int(tokens)} if tokens else {}))
+        click.echo(describe_cache(ensure_features(loaded, taps, data)))
+        return
     caches = [FeatureStore(Path(folder))] if folder else feature_caches()
     if drop:
         if len(caches) != 1:

@@ -68,6 +68,9 @@ def test_dropped_taps_free_the_disk_and_come_back_on_demand(default_target, cach
     assert again.taps == (2, 30) and torch.equal(again.load((2,))["h2"], before)
     refused = CliRunner().invoke(main, ["features", "--drop-tap", "7"])
     assert refused.exit_code == 2 and "has no tap 7" in refused.output and refused.output.count("\n") == 1
+    for taps, error in (("2,x", "takes tap numbers"), ("2,31", "must lie in 0..30")):
+        bad = CliRunner().invoke(main, ["features", "--extract", taps, "--tokens", "300"])
+        assert bad.exit_code == 2 and error in bad.output and bad.output.count("\n") == 1
 
 
 def test_other_target_weights_are_refused(default_target, cache):
@@ -156,3 +159,26 @@ def test_states_are_mapped_from_tap_files_and_old_caches_convert(default_target,
     converted = ensure_features(default_target, (2, 30), data, progress=False)
     assert converted.index["flat"]
     assert torch.equal(converted.load((2, 30))["h30"], loaded["h30"])
+
+
+def test_runs_of_any_size_share_one_growing_cache(default_target, cache, one_thread):
+    """max_tokens is not part of the key: a larger run grows the smaller run's cache in the
+    same order, a smaller run reads only the first shards, and neither extracts again."""
+    small, large = FeatureData(max_tokens=500, max_len=128), FeatureData(max_tokens=1100, max_len=128)
+    assert features_dir(default_target, small) == features_dir(default_target, large)
+    first = ensure_features(default_target, (30,), small, progress=False)
+    first_tokens, first_h = first.load((30,))["tokens"].clone(), first.load((30,))["h30"].clone()
+    grown = ensure_features(default_target, (30,), large, progress=False)
+    assert grown.num_tokens > first.num_tokens and grown.index["done"]
+    assert torch.equal(grown.load((30,))["tokens"][: len(first_tokens)], first_tokens)
+    assert torch.equal(grown.load((30,))["h30"][: len(first_tokens)], first_h)
+    shards = len(grown.index["shards"])
+    again = ensure_features(default_target, (30,), small, progress=False)
+    assert len(again.index["shards"]) == shards and again.index["done"]  # nothing extracted
+    assert torch.equal(again.load((30,))["tokens"], first_tokens)
+    # A growth interrupted by a smaller run stays unfinished until the larger run comes back.
+    index = json.loads((grown.folder / "index.json").read_text())
+    index.update(shards=index["shards"][:-1], done=False)
+    (grown.folder / "index.json").write_text(json.dumps(index))
+    assert not ensure_features(default_target, (30,), small, progress=False).index["done"]
+    assert ensure_features(default_target, (30,), large, progress=False).num_tokens == grown.num_tokens

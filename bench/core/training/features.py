@@ -66,9 +66,11 @@ class FeatureData:
     dtype: str = "float32"  # the engine's dtype that extracted the states (set from the target)
 
     def key(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        """Everything but max_tokens: runs of any size share one cache, which grows to the
+        largest asked for, and each reads its first max_tokens (bench.core.training.features)."""
+        text = json.dumps({k: v for k, v in asdict(self).items() if k != "max_tokens"}, sort_keys=True)
         kind = "selfdistill" if self.self_distill else "sharegpt"
-        return f"{kind}-{self.max_tokens // 1000}k-len{self.max_len}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+        return f"{kind}-len{self.max_len}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
 def features_dir(target, data: FeatureData) -> Path:
@@ -108,22 +110,32 @@ def _cut_to(path: Path, tokens: int, hidden: int) -> None:
 
 
 class FeatureStore:
-    """A finished feature cache: token data from the shards, states mapped from the tap files."""
+    """A finished feature cache: token data from the shards, states mapped from the tap files.
+    max_tokens: read only the first shards, as many as an extraction to that many tokens
+    makes (a cache grown for a larger run serves a smaller one its conversations, in order)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, max_tokens: int | None = None) -> None:
         self.folder = Path(folder)
         try:
             self.index = json.loads((self.folder / "index.json").read_text())
         except (OSError, ValueError) as exc:
             raise BenchError(f"unreadable feature cache {self.folder}: {exc}") from None
         self.taps = tuple(self.index["taps"])
+        self.shards = self.index["shards"]
+        if max_tokens is not None:
+            total, count = 0, 0
+            for shard in self.shards:  # as extraction: a shard begins while fewer are held
+                if total >= max_tokens:
+                    break
+                total, count = total + shard["tokens"], count + 1
+            self.shards = self.shards[:count]
 
     @property
     def num_tokens(self) -> int:
-        return sum(s["tokens"] for s in self.index["shards"])
+        return sum(s["tokens"] for s in self.shards)
 
     def shard_paths(self) -> list[Path]:
-        return [self.folder / s["file"] for s in self.index["shards"]]
+        return [self.folder / s["file"] for s in self.shards]
 
     def load(self, taps: tuple[int, ...]) -> dict[str, Tensor]:
         """Everything concatenated: tokens [N] long, loss_mask [N] bool, offsets [S+1]
@@ -314,6 +326,10 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 _append_rows(tap_file(folder, tap), extra[f"h{tap}"])
         index["taps"] = sorted(set(index["taps"]) | set(new_taps))
         write_json(index_path, index)
+    largest = max(index["data"]["max_tokens"], data.max_tokens)  # "done" means extracted to this
+    if index["done"] and not index.get("exhausted") and data.max_tokens > index["data"]["max_tokens"]:
+        index["done"] = False  # a larger run than any before: grow the cache
+    index["data"]["max_tokens"] = largest
     if index["done"] and index.get("exhausted") and data.self_distill:
         from bench.core.training.distill import DistilledData
 
@@ -351,9 +367,10 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             done_tokens += tokens
             bar.update(tokens)
         bar.close()
-        index["done"] = True
+        if data.max_tokens >= largest or index.get("exhausted"):  # a smaller run leaves a growth unfinished
+            index["done"] = True
         write_json(index_path, index)
-    return FeatureStore(folder)
+    return FeatureStore(folder, data.max_tokens)
 
 
 def training_manifest(step: int, settings, method_settings, store: FeatureStore, conversations: int,
