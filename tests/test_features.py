@@ -68,9 +68,8 @@ def test_dropped_taps_free_the_disk_and_come_back_on_demand(default_target, cach
     assert again.taps == (2, 30) and torch.equal(again.load((2,))["h2"], before)
     refused = CliRunner().invoke(main, ["features", "--drop-tap", "7"])
     assert refused.exit_code == 2 and "has no tap 7" in refused.output and refused.output.count("\n") == 1
-    for taps, error in (("2,x", "takes tap numbers"), ("2,31", "must lie in 0..30")):
-        bad = CliRunner().invoke(main, ["features", "--extract", taps, "--tokens", "300"])
-        assert bad.exit_code == 2 and error in bad.output and bad.output.count("\n") == 1
+    bad = CliRunner().invoke(main, ["features", "--extract", "2,x", "--tokens", "300"])
+    assert bad.exit_code == 2 and "takes tap numbers" in bad.output and bad.output.count("\n") == 1
 
 
 def test_other_target_weights_are_refused(default_target, cache):
