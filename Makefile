@@ -119,17 +119,21 @@ oracle-sweep: $(STAMP)
 	$(BIN)/bench report --task humaneval --tag oracle-real $(foreach a,$(ORACLE_ACCEPTS),--tag oracle$(a)) --out plots/oracle
 
 # Issue 14: every trained drafter at its paper's structure on the distilled data (methods/distilled,
-# >= 5M reply tokens once complete: `bench distill --status`), 2 epochs, one method at a time (the
-# feature cache is ~9 GB per tapped layer at that size: `bench features --drop-tap` between methods),
-# each resumable (`make train-at-scale` again continues), then shipped over the old files
-# (`bench ship`, which checks the 100 MB budget). EAGLE-3 and DFlash keep copies at 0.2M and 1M
-# trained tokens for the scaling figure. TRAIN_ARGS adds e.g. `--device cuda` or `--threads 2`.
-SCALE_DATA ?= --option self_distill=true --option feature_tokens=8000000 --epochs 2
+# >= 5M reply tokens: `bench distill --status`), 2 epochs, one method at a time, each resumable
+# (`make train-at-scale` again continues), then shipped over the old files (`bench ship`, which
+# checks the 100 MB budget: EAGLE-3 projects with the target's lm_head rows, DSpark's Markov head
+# has rank 32). The features of every method's taps are extracted first in one target pass
+# (2,15,27,28,30: 9.2 GB per tap at 8M tokens; a cache grows, so a smaller run's cache is the
+# start of this one). EAGLE-3 and DFlash keep copies at 0.2M and 1M trained tokens for the
+# scaling figure. TRAIN_ARGS adds e.g. `--device cuda` or `--threads 2`.
+SCALE_TOKENS ?= 8000000
+SCALE_DATA ?= --option self_distill=true --option feature_tokens=$(SCALE_TOKENS) --epochs 2
 TRAIN_ARGS ?=
 train-at-scale: $(STAMP)
-	$(BIN)/bench train --method eagle3 $(SCALE_DATA) --option ttt_steps=7 --option draft_vocab_coverage=0.99 --keep-at 2e5,1e6 $(TRAIN_ARGS)
-	$(BIN)/bench train --method dflash $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --lr 6e-4 --keep-at 2e5,1e6 $(TRAIN_ARGS)
-	$(BIN)/bench train --method dspark $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --lr 6e-4 $(TRAIN_ARGS)
+	$(BIN)/bench features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
+	$(BIN)/bench train --method eagle3 $(SCALE_DATA) --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(TRAIN_ARGS)
+	$(BIN)/bench train --method dflash $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(TRAIN_ARGS)
+	$(BIN)/bench train --method dspark $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 $(TRAIN_ARGS)
 	$(BIN)/bench train --method eagle $(SCALE_DATA) $(TRAIN_ARGS)
 	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=sequential $(TRAIN_ARGS)
 	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp $(TRAIN_ARGS)
