@@ -221,6 +221,56 @@ def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "")
                 linewidth=1, markersize=4, label=f"{method} · {task}{suffix}")
 
 
+# Issue 14's τ goals (greedy, the grid's settings): what the scaling fit extrapolates towards.
+TAU_GOALS: dict[str, dict[str, float]] = {"eagle3": {"mtbench": 3.0}, "dflash": {"humaneval": 3.5, "gsm8k": 3.5},
+                                          "medusa": {"*": 2.0}, "mtp": {"*": 2.0}}
+
+
+def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (method, task) with two or more training sizes: the least-squares line of τ on
+    log10(tokens), its rise per tenfold data, and, where the method has a goal for the
+    task and the line rises, the tokens at which it would reach the goal. An extrapolation
+    of a log-linear trend, so an estimate of the data needed, not a promise."""
+    fits = []
+    for (method, task), group in rows.groupby(["method", "task"]):
+        group = group.dropna(subset=["trained_tokens", "tau"])
+        if group["trained_tokens"].nunique() < 2:
+            continue
+        x = group["trained_tokens"].map(math.log10)
+        slope = float(((x - x.mean()) * (group["tau"] - group["tau"].mean())).sum() / ((x - x.mean()) ** 2).sum())
+        intercept = float(group["tau"].mean() - slope * x.mean())
+        goals = TAU_GOALS.get(method, {})
+        goal = goals.get(task, goals.get("*"))
+        largest = group.loc[group["trained_tokens"].idxmax()]
+        needed = float("nan")
+        if goal is not None and float(largest["tau"]) >= goal:
+            needed = float(largest["trained_tokens"])
+        elif goal is not None and slope > 0:
+            needed = 10 ** ((goal - intercept) / slope)
+        fits.append({"method": method, "task": task, "sizes": int(group["trained_tokens"].nunique()),
+                     "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
+                     "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
+                     "tokens_to_goal": needed})
+    return pd.DataFrame(fits)
+
+
+def _fit_sentence(fit: pd.DataFrame) -> str:
+    parts = []
+    for row in fit.itertuples():
+        text = (f"{row.method} · {row.task}: τ {row.tau_at_largest:.2f} at {row.largest_tokens / 1e6:.2g}M tokens, "
+                f"{row.tau_per_10x:+.2f} per tenfold data")
+        if math.isnan(row.goal):
+            pass
+        elif row.tokens_to_goal == row.largest_tokens:
+            text += f"; goal {row.goal:g} reached"
+        elif math.isnan(row.tokens_to_goal):
+            text += f"; goal {row.goal:g} not approached (the line does not rise)"
+        else:
+            text += f"; goal {row.goal:g} at about {row.tokens_to_goal / 1e6:.3g}M tokens by the fitted line"
+        parts.append(text)
+    return " Log-linear fit (scaling_fit.csv): " + "; ".join(parts) + "." if parts else ""
+
+
 def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     name, title = "scaling", "τ vs training tokens"
     rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
@@ -238,9 +288,13 @@ def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipp
         ax.set_xlabel("tokens the drafter was trained on (log scale)")
         ax.set_ylabel("τ (tokens per round)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fit = scaling_fit(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    fit.round(4).to_csv(out / "scaling_fit.csv", index=False)
     return _save(fig, out, name, title, "τ of each trained method against the number of training tokens its "
                  "drafter had seen (drafters kept during one training run with `bench train --keep-at`), per task: "
-                 "where a line still rises at the right, more data or steps would raise τ further.")
+                 "where a line still rises at the right, more data or steps would raise τ further." +
+                 _fit_sentence(fit))
 
 
 def speedup_vs_tau(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:

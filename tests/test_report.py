@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -456,6 +457,26 @@ def test_scaling_figure_from_drafters_kept_at_several_sizes(tmp_path):
     assert isinstance(figure, Figured), getattr(figure, "reason", "")
     pixels = np.asarray(Image.open(figure.png).convert("L"), dtype=float)
     assert pixels.std() > 5
+    assert "per tenfold data" in figure.caption and (figure.png.parent / "scaling_fit.csv").exists()
+
+
+def test_scaling_fit_extrapolates_to_the_goal():
+    """τ = 1 + 0.5 log10(tokens / 1e5) for eagle3 on MT-bench: +0.5 per tenfold data, the goal
+    τ = 3 at 1e9 tokens; a flat line gives no estimate; a goal already met reports the size."""
+    import pandas as pd
+
+    from bench.plots import scaling_fit
+
+    rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
+                          "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6, 5e6)]
+                        + [{"method": "mtp", "task": "gsm8k", "trained_tokens": t, "tau": 1.3} for t in (2e5, 1e6)]
+                        + [{"method": "medusa", "task": "gsm8k", "trained_tokens": t, "tau": tau}
+                           for t, tau in ((2e5, 1.5), (1e6, 2.1))])
+    fit = scaling_fit(rows).set_index("method")
+    assert fit.loc["eagle3", "tau_per_10x"] == pytest.approx(0.5)
+    assert fit.loc["eagle3", "tokens_to_goal"] == pytest.approx(1e9, rel=1e-6)
+    assert math.isnan(fit.loc["mtp", "tokens_to_goal"]) and fit.loc["mtp", "goal"] == 2.0
+    assert fit.loc["medusa", "tokens_to_goal"] == 1e6
 
 
 def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):
