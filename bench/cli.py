@@ -191,6 +191,12 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
     click.echo(f"done: {summary['steps']} steps, last step {metrics}; drafter in {summary['drafter']}; "
                f"log {summary['log']}")
     manifest = Path(summary["drafter"]) / "drafter.json"
+    if manifest.exists() and summary.get("last"):  # this invocation trained: say how, and where
+        import shlex
+
+        from bench.core.drafters import record_training_run
+
+        record_training_run(manifest.parent, shlex.join(["bench", *sys.argv[1:]]), settings.device)
     heldout = json.loads(manifest.read_text()).get("heldout", {}) if manifest.exists() else {}
     if "predicted_tau" in heldout:
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])

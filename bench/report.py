@@ -54,6 +54,40 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
             "lists; not measured here."}
 
 
+DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
+
+
+def drafters_table() -> str:
+    """The shipped drafters, each with what its manifest says of its training: the data, the
+    trained tokens, epochs, steps, time, machine and command (`bench train` records the last two)."""
+    import methods  # noqa: F401  (registers the shipped drafters)
+    from bench.core.drafters import list_drafters, read_manifest
+
+    rows = []
+    for target, method, kind, folder in list_drafters():
+        if kind != "shipped":
+            continue
+        training = read_manifest(folder).get("training", {})
+        runs = training.get("runs") or []
+        tokens = training.get("tokens_seen") or training.get("reply_tokens_seen")
+        elapsed = training.get("elapsed_s")
+        pool = training.get("feature_tokens")
+        data = training.get("data", "-") + (f"; a {pool / 1e6:.2f}M-token pool" if pool else "")
+        command = runs[-1]["command"] if runs else training.get("command")
+        rows.append({"target": target, "method": method, "data": data,
+                     "trained tokens": f"{tokens / 1e6:.2f}M" if tokens else "not recorded",
+                     "epochs": training.get("epochs", "-"), "steps": training.get("steps", "-"),
+                     "time": f"{elapsed / 3600:.1f} h" if elapsed else "-",
+                     "machine": "; ".join(sorted({r["machine"] for r in runs})) or "not recorded",
+                     "command": f"`{command}`" if command else "not recorded"})
+    if not rows:
+        return "No shipped drafter."
+    import pandas as pd
+
+    return to_markdown(pd.DataFrame(rows)) + ("\n\nFrom each shipped drafter's `drafter.json` (methods/checkpoints/); "
+                                              "`make train-at-scale` trains and ships the set at scale.")
+
+
 def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tasks: tuple[str, ...] = (),
                 methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None,
                 results_readme: Path | None = None, load_tags: tuple[str, ...] = ()) -> dict:
@@ -100,6 +134,9 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
                                            ("method", methods), ("tag", tags)) for v in values)
         blocks = readme_blocks(tables, records, command)
         results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
-        update_readmes({Path(readme): {HEADLINE: blocks.pop(HEADLINE)}, results_readme: blocks})
+        top = {HEADLINE: blocks.pop(HEADLINE)}
+        if f"<!-- {DRAFTERS}:start -->" in Path(readme).read_text(encoding="utf-8"):
+            top[DRAFTERS] = drafters_table()
+        update_readmes({Path(readme): top, results_readme: blocks})
     return {"html": html_path, "files": written, "problems": records.problems, "tables": tables,
             "figures": figures}

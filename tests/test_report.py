@@ -499,3 +499,25 @@ def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_b
     assert manifest["temperature"] == 1.0 and not (results / TARGET / "grid-grid.json").exists()
     [pld] = list(results.rglob("pld-grid-t1.jsonl"))
     assert json.loads(pld.read_text().splitlines()[0])["settings"]["sampling"]["temperature"] == 1.0
+
+
+def test_drafters_table_shows_how_each_shipped_drafter_was_trained(tmp_path, monkeypatch):
+    """The README's drafters block: a shipped drafter's data, tokens, time from its manifest,
+    and the command and machine `bench train` records; older manifests say 'not recorded'."""
+    import bench.core.drafters as drafters
+    from bench.core.drafters import record_training_run, write_drafter
+    from bench.report import drafters_table
+
+    monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path])
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    for method in ("eagle3", "medusa"):
+        write_drafter(tmp_path / "tiny" / method, {"w": torch.zeros(2)},
+                      {"method": method, "training": {"tokens_seen": 1_250_000, "epochs": 1.5, "steps": 900,
+                                                      "elapsed_s": 5400, "data": "distilled", "feature_tokens": 1.3e6}})
+    record_training_run(tmp_path / "tiny" / "eagle3", "bench train --method eagle3 --epochs 1.5", "cpu")
+    table = drafters_table()
+    eagle3 = next(line for line in table.splitlines() if "| eagle3 |" in line)
+    assert "1.25M" in eagle3 and "1.5 h" in eagle3 and "`bench train --method eagle3 --epochs 1.5`" in eagle3
+    assert "threads" in eagle3 and "1.30M-token pool" in eagle3
+    medusa = next(line for line in table.splitlines() if "| medusa |" in line)
+    assert medusa.count("not recorded") == 2

@@ -177,6 +177,21 @@ def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict
     tmp.rmdir()
 
 
+def record_training_run(folder: Path, command: str, device: str) -> None:
+    """Add to a trained drafter's manifest the command that trained it and the machine it ran
+    on (a run resumed elsewhere adds another entry): what the README's drafter table shows."""
+    from bench.core.provenance import device_name, timestamp
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    training = manifest.setdefault("training", {})
+    training.setdefault("runs", []).append({"command": command, "machine": device_name(device) + (
+        "" if device.startswith("cuda") else f", {torch.get_num_threads()} threads"), "finished_at": timestamp()})
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    tmp.replace(folder / MANIFEST)
+
+
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
 
 
