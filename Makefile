@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep load-sweep train-at-scale clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -140,6 +140,12 @@ train-at-scale: $(STAMP)
 	$(BIN)/bench train --method medusa $(SCALE_DATA) --option num_heads=5 $(TRAIN_ARGS)
 	$(BIN)/bench train --method sps --option self_distill=true --epochs 2 $(TRAIN_ARGS)
 	for m in eagle3 dflash dspark eagle mtp medusa sps; do $(BIN)/bench ship --method $$m || exit 1; done
+
+# The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
+# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>; then `make report`.
+SCALE_METHODS ?= eagle3 dflash
+scaling-runs: $(STAMP)
+	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m))
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

@@ -521,3 +521,17 @@ def test_drafters_table_shows_how_each_shipped_drafter_was_trained(tmp_path, mon
     assert "threads" in eagle3 and "1.30M-token pool" in eagle3
     medusa = next(line for line in table.splitlines() if "| medusa |" in line)
     assert medusa.count("not recorded") == 2
+
+
+def test_scaling_runs_find_the_kept_drafters_by_their_tokens(tmp_path):
+    """scripts/scaling_runs: a training folder's kept copies and its final drafter, ordered by
+    the tokens their manifests record; folders without a manifest or a count are left out."""
+    from bench.core.drafters import write_drafter
+    from scripts.scaling_runs import kept_drafters
+
+    for folder, tokens in (("kept/200000-tokens", 200_311), ("kept/1000000-tokens", 1_000_907), (".", 1_430_000),
+                           ("kept/5-tokens", None)):
+        write_drafter(tmp_path / folder, {"w": torch.zeros(1)}, {"training": {"tokens_seen": tokens}})
+    (tmp_path / "kept" / "9-tokens").mkdir()
+    assert kept_drafters(tmp_path) == [(200_311, tmp_path / "kept/200000-tokens"),
+                                       (1_000_907, tmp_path / "kept/1000000-tokens"), (1_430_000, tmp_path)]

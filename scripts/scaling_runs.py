@@ -1,0 +1,87 @@
+"""The scaling figure's runs: every drafter one training run kept (`bench train --keep-at`)
+and its final one, on the scaling tasks, each under its own tag `scale-<tokens>`, greedy,
+so that `bench report` draws τ against training tokens and fits the trend.
+
+    python -m scripts.scaling_runs --method eagle3 --method dflash    # then plots/scaling/report.html
+
+A finished run is read back, not run again; each tag has its own AR baseline, against which
+every turn is checked for exactness.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from bench.core.errors import BenchError
+
+TASKS = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10}}  # the grid's sample of each
+
+
+def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
+    """(trained tokens, folder) of the kept copies and the final drafter in a training
+    folder, by the tokens their manifests say they had seen."""
+    from bench.core.drafters import MANIFEST, read_manifest
+
+    found = {}
+    for folder in [*sorted(Path(out_dir).glob("kept/*-tokens")), Path(out_dir)]:
+        if (folder / MANIFEST).exists():
+            tokens = read_manifest(folder).get("training", {}).get("tokens_seen")
+            if tokens:
+                found[int(tokens)] = folder
+    return sorted(found.items())
+
+
+@click.command()
+@click.option("--method", "methods", multiple=True, required=True, help="a trained method (repeatable)")
+@click.option("--task", "tasks", multiple=True, help="default: MT-bench and HumanEval (the figure's)")
+@click.option("--out", "out_dirs", multiple=True,
+              help="the training folder of each --method, in order (default: bench train's)")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--results-dir", default="results", show_default=True)
+@click.option("--report", "report_dir", default="plots/scaling", show_default=True,
+              help="where the report of these runs goes (the scaling figure and its fit)")
+def main(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir) -> None:
+    try:
+        _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir)
+    except BenchError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir) -> None:
+    import methods as _registered  # noqa: F401  (the shipped drafters and data)
+    from bench.core.drafters import user_dir
+    from bench.core.target import load_target
+    from bench.run import RunSettings, run
+
+    if out_dirs and len(out_dirs) != len(methods):
+        raise BenchError("--out: one training folder per --method")
+    target = load_target()
+    plan = []
+    for i, method in enumerate(methods):
+        folder = Path(out_dirs[i]) if out_dirs else user_dir(target.name, method)
+        drafters = kept_drafters(folder)
+        if len(drafters) < 2:
+            raise BenchError(f"{folder}: fewer than two drafters of different training sizes (bench train --keep-at)")
+        for task in tasks or TASKS:
+            for tokens, drafter in drafters:
+                plan.append((method, task, tokens, drafter))
+    for method, task, tokens, drafter in tqdm(plan, desc="scaling runs"):
+        settings = RunSettings(method=method, task=task, max_new_tokens=max_new_tokens, tag=f"scale-{tokens}",
+                               results_dir=results_dir, method_options={"drafter": str(drafter.resolve())},
+                               **TASKS.get(task, {"limit": 10}))
+        run(settings)  # a finished record is read back, not run again
+    from bench.report import make_report
+
+    tags = tuple(sorted({f"scale-{tokens}" for _, _, tokens, _ in plan}))
+    report = make_report(Path(results_dir), Path(report_dir), tasks=tuple(tasks or TASKS),
+                         methods=("ar", *methods), tags=tags)
+    click.echo(f"report: {report['html']}")
+
+
+if __name__ == "__main__":
+    main()
