@@ -47,6 +47,9 @@ class LoopConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     checkpoint_every_s: float = 300.0
     checkpoint_every_steps: int = 0  # 0 = only by time (and at the end)
+    # on_checkpoint (the drafter's export, with its held-out evaluation: tens of seconds on a
+    # CPU) runs at most this often, and at the end; checkpoints stay as frequent as above.
+    export_every_s: float = 1800.0
     seed: int = 0
 
 
@@ -191,7 +194,8 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
 
     next_batch(cursor) -> (batch, next cursor). `identity`: what must be equal to resume
     (model shape, data settings, ...); a checkpoint made with other settings is refused.
-    on_checkpoint(step) runs after each checkpoint (e.g. to export the drafter).
+    on_checkpoint(step) runs after a checkpoint (e.g. to export the drafter): at the end, after a
+    step-count checkpoint, and after a timed one once export_every_s have passed since the last export.
     An objective whose metrics carry "tokens" (trained positions in the batch) gets a running
     `tokens_seen` in the log and the checkpoint; on_milestone(tokens, step) runs once when
     tokens_seen first reaches each of `milestones` (e.g. to keep a drafter for the scaling
@@ -235,7 +239,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
         log_path.unlink()
 
     first = last = None
-    last_save = time.monotonic()
+    last_save = last_export = time.monotonic()
     started = time.monotonic() - elapsed
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not progress)
     with log_path.open("a") as log:
@@ -267,11 +271,14 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             due_step = cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0
             for milestone in reached if on_milestone is not None else ():
                 on_milestone(milestone, step)  # before the checkpoint: a crash in between redoes it
+                last_export = time.monotonic()  # the milestone exported the drafter
             if due_time or due_step or reached or step == cfg.max_steps:
                 save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
                                 tokens_seen)
-                if on_checkpoint is not None:
+                export_due = time.monotonic() - last_export >= cfg.export_every_s and not reached
+                if on_checkpoint is not None and (export_due or due_step or step == cfg.max_steps):
                     on_checkpoint(step)
+                    last_export = time.monotonic()
                 last_save = time.monotonic()
     bar.close()
     return {"steps": step, "resumed_from": resumed_from, "first": first, "last": last, "tokens_seen": tokens_seen,
