@@ -238,6 +238,16 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
                          on_milestone=lambda tokens, step: fired.append((tokens, step)))
     assert fired == [(150, 2), (250, 3), (450, 5)] and summary["tokens_seen"] == 500
     assert [row["tokens_seen"] for row in loop.read_log(tmp_path)] == [100, 200, 300, 400, 500]
+    # Exports: not at every timed checkpoint (here every step) but once export_every_s have
+    # passed, never again right after a milestone's, and at the end.
+    exported = []
+    loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=8, checkpoint_every_s=0, export_every_s=1e9),
+               tmp_path, progress=False, milestones=(650,), on_checkpoint=exported.append,
+               on_milestone=lambda tokens, step: fired.append((tokens, step)))
+    assert exported == [8] and fired[-1] == (650, 7)
+    loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=10, checkpoint_every_s=0, export_every_s=0),
+               tmp_path, progress=False, on_checkpoint=exported.append)
+    assert exported == [8, 9, 10]
 
 
 def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):

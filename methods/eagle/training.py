@@ -260,6 +260,8 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             hidden = head.fuse([batch[f"h{objective.final_tap}"]], embeds)
         k0 = v0 = None
         diagonal: list[tuple[Tensor, Tensor]] = []
+        # The target's next token at every row, once: step s scores against it shifted by 1+s.
+        teacher = F.linear(batch[f"h{objective.final_tap}"].float(), objective.lm_head).argmax(-1)
         for step in range(steps):
             embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
             q, k, v = head.qkv(hidden, embeds, positions + step)
@@ -267,8 +269,8 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             if step:
                 diagonal.append((k, v))
             out = head.finish(hidden, objective._ttt_attention(q, k0, v0, diagonal))
-            valid, target_features = objective.labels(batch, step)
-            target = F.linear(target_features[valid], objective.lm_head).argmax(-1)
+            valid, _ = objective.labels(batch, step)
+            target = shifted(teacher, 1 + step)[valid]
             logits = head.logits(out[valid], objective.lm_head).float()
             ranked = logits.topk(RANKS, dim=-1).indices
             if head.config.kind == "eagle3":

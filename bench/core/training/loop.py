@@ -178,7 +178,7 @@ def _trim_log(path: Path, last_step: int) -> None:
 
 
 # Loop settings that may change between an interrupted run and its resumption.
-RESUMABLE_CHANGES = ("max_steps", "checkpoint_every_s", "checkpoint_every_steps")
+RESUMABLE_CHANGES = ("max_steps", "checkpoint_every_s", "checkpoint_every_steps", "export_every_s")
 
 
 def _identity(identity: dict | None, cfg: LoopConfig) -> dict:
