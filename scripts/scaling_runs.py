@@ -30,8 +30,8 @@ def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
     for folder in [*sorted(Path(out_dir).glob("kept/*-tokens")), Path(out_dir)]:
         if (folder / MANIFEST).exists():
             tokens = read_manifest(folder).get("training", {}).get("tokens_seen")
-            if tokens:
-                found[int(tokens)] = folder
+            if tokens:  # a kept copy, not the training folder, which moves on as training goes on
+                found.setdefault(int(tokens), folder)
     return sorted(found.items())
 
 

@@ -535,3 +535,6 @@ def test_scaling_runs_find_the_kept_drafters_by_their_tokens(tmp_path):
     (tmp_path / "kept" / "9-tokens").mkdir()
     assert kept_drafters(tmp_path) == [(200_311, tmp_path / "kept/200000-tokens"),
                                        (1_000_907, tmp_path / "kept/1000000-tokens"), (1_430_000, tmp_path)]
+    # Still training, the folder's last export is the kept copy's: the kept copy is named.
+    write_drafter(tmp_path, {"w": torch.zeros(1)}, {"training": {"tokens_seen": 1_000_907}})
+    assert kept_drafters(tmp_path)[-1] == (1_000_907, tmp_path / "kept/1000000-tokens")

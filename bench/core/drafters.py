@@ -185,8 +185,9 @@ def record_training_run(folder: Path, command: str, device: str) -> None:
     folder = Path(folder)
     manifest = read_manifest(folder)
     training = manifest.setdefault("training", {})
-    training.setdefault("runs", []).append({"command": command, "machine": device_name(device) + (
-        "" if device.startswith("cuda") else f", {torch.get_num_threads()} threads"), "finished_at": timestamp()})
+    threads = torch.get_num_threads()
+    machine = device_name(device) + ("" if device.startswith("cuda") else f", {threads} thread{'s' * (threads != 1)}")
+    training.setdefault("runs", []).append({"command": command, "machine": machine, "finished_at": timestamp()})
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, default=str))
     tmp.replace(folder / MANIFEST)
