@@ -142,10 +142,12 @@ train-at-scale: $(STAMP)
 	for m in eagle3 dflash dspark eagle mtp medusa sps; do $(BIN)/bench ship --method $$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
-# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>; then `make report`.
+# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>, and their report in
+# plots/scaling/ beside the series SCALE_COMPARE (the drafters shipped before, run the same way).
 SCALE_METHODS ?= eagle3 dflash
+SCALE_COMPARE ?= shipped-s10
 scaling-runs: $(STAMP)
-	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m))
+	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m)) $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

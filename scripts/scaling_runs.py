@@ -44,15 +44,17 @@ def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--report", "report_dir", default="plots/scaling", show_default=True,
               help="where the report of these runs goes (the scaling figure and its fit)")
-def main(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir) -> None:
+@click.option("--compare-tag", "compare", multiple=True,
+              help="another series to show in that report, e.g. earlier drafters run the same way")
+def main(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare) -> None:
     try:
-        _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir)
+        _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
 
 
-def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir) -> None:
+def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare=()) -> None:
     import methods as _registered  # noqa: F401  (the shipped drafters and data)
     from bench.core.drafters import user_dir
     from bench.core.target import load_target
@@ -77,7 +79,7 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
         run(settings)  # a finished record is read back, not run again
     from bench.report import make_report
 
-    tags = tuple(sorted({f"scale-{tokens}" for _, _, tokens, _ in plan}))
+    tags = tuple(sorted({f"scale-{tokens}" for _, _, tokens, _ in plan})) + tuple(compare)
     report = make_report(Path(results_dir), Path(report_dir), tasks=tuple(tasks or TASKS),
                          methods=("ar", *methods), tags=tags)
     click.echo(f"report: {report['html']}")
