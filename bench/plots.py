@@ -275,8 +275,9 @@ def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipp
     name, title = "scaling", "τ vs training tokens"
     rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
     rows = rows[rows["trained_tokens"].notna()] if not rows.empty else rows
-    counts = rows.groupby("method")["trained_tokens"].nunique() if not rows.empty else pd.Series(dtype=int)
-    rows = rows[rows["method"].isin(counts[counts >= 2].index)] if not rows.empty else rows
+    if not rows.empty:  # one training run's drafters per line: a run with two or more sizes
+        sizes = rows.groupby(["method", rows["drafter_run"].fillna("")])["trained_tokens"].transform("nunique")
+        rows = rows[sizes >= 2]
     if rows.empty:
         return Skipped(name, title, "no method run with drafters kept at two or more training sizes "
                                     "(bench train --keep-at, then bench run --drafter OUT/kept/<N>-tokens)")

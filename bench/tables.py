@@ -299,6 +299,8 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
                 "trained_tokens": drafter.get("trained_tokens"),
+                # the training run: its folder, whose copies kept at N tokens sit in kept/<N>-tokens/
+                "drafter_run": re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None,
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
                 "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns
@@ -313,6 +315,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         row["budget"] = float("nan") if group["budget"] is None else group["budget"]
         # Tokens the run's drafter was trained on (`bench train` records it; NaN for older drafters).
         row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
+        row["drafter_run"] = group["drafter_run"]
         # The oracle's per-node acceptance where the run replaced the drafts (bench.core.oracle); NaN: real drafts.
         row["oracle_accept"] = float("nan") if group["oracle_accept"] is None else group["oracle_accept"]
         row["batch_size"] = group["batch_size"]  # requests decoding at once (bench run --batch-size)
