@@ -49,7 +49,8 @@ class LoopConfig:
     checkpoint_every_steps: int = 0  # 0 = only by time (and at the end)
     # on_checkpoint (the drafter's export, with its held-out evaluation: tens of seconds on a
     # CPU) runs at most this often, and at the end; checkpoints stay as frequent as above.
-    export_every_s: float = 1800.0
+    # None: six checkpoint intervals (30 minutes at the default 5; every checkpoint at 0).
+    export_every_s: float | None = None
     seed: int = 0
 
 
@@ -275,7 +276,8 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             if due_time or due_step or reached or step == cfg.max_steps:
                 save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
                                 tokens_seen)
-                export_due = time.monotonic() - last_export >= cfg.export_every_s and not reached
+                export_every = cfg.export_every_s if cfg.export_every_s is not None else 6 * cfg.checkpoint_every_s
+                export_due = time.monotonic() - last_export >= export_every and not reached
                 if on_checkpoint is not None and (export_due or due_step or step == cfg.max_steps):
                     on_checkpoint(step)
                     last_export = time.monotonic()
