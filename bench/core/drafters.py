@@ -180,6 +180,7 @@ def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict
 def record_training_run(folder: Path, command: str, device: str) -> None:
     """Add to a trained drafter's manifest the command that trained it and the machine it ran
     on (a run resumed elsewhere adds another entry): what the README's drafter table shows."""
+    from bench.core.files import write_json
     from bench.core.provenance import device_name, timestamp
 
     folder = Path(folder)
@@ -188,9 +189,7 @@ def record_training_run(folder: Path, command: str, device: str) -> None:
     threads = torch.get_num_threads()
     machine = device_name(device) + ("" if device.startswith("cuda") else f", {threads} thread{'s' * (threads != 1)}")
     training.setdefault("runs", []).append({"command": command, "machine": machine, "finished_at": timestamp()})
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    tmp.replace(folder / MANIFEST)
+    write_json(folder / MANIFEST, manifest)
 
 
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
