@@ -14,6 +14,7 @@ import pandas as pd
 
 from bench.core.provenance import git_sha
 from bench.plots import Figured, Skipped
+from bench.revisions import display_revisions, revisions_table
 from bench.tables import Records, Tables, display_table
 
 CSS = """
@@ -128,16 +129,37 @@ def _settings(selection: dict, records: Records) -> str:
     return "\n".join(parts)
 
 
+def _revisions(records: Records) -> str:
+    frame = revisions_table(records, "task")
+    if frame.empty:
+        return "<p>No earlier revision: every method's records were recorded with today's settings.</p>"
+    return ("<p>The grid never overwrites finished records: a cell whose settings changed (a retrained drafter, "
+            "another dtype) runs into the next revision of its tag, and the tables above show the newest. "
+            "Here each method with an older revision, every revision summarized the same way (speedup against "
+            "the baseline of its own revision), with the settings that changed.</p>"
+            + _table(display_revisions(revisions_table(records, "overall")))
+            + "<h3>Per task</h3>" + _table(display_revisions(frame)))
+
+
+def _goals(goals: pd.DataFrame) -> str:
+    """The goals (bench/goals.py) are stated for the grid's series: a report without it has no such section."""
+    return ("<p>The drafters' goals against the grid's greedy series, per task. A missed τ goal gives the "
+            "tokens at which the line fitted to the scaling runs (<code>make scaling-runs</code>) reaches it, an "
+            "extrapolation, not a promise.</p>" + _table(goals))
+
+
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
-           references: list[dict] | None = None) -> str:
+           references: list[dict] | None = None, goals: pd.DataFrame | None = None) -> str:
     references = load_references() if references is None else references
     sizes = ", ".join(f"{task}: {n} turns" for task, n in tables.per_task[tables.per_task["method"] == "ar"]
                       .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
     sections = [
         ("overall", "Overall (all selected tasks pooled)", _table(display_table(tables.overall))),
+        *([("goals", "Goals (the grid's series)", _goals(goals))] if goals is not None and not goals.empty else []),
         ("figures", "Figures", _figures(figures)),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
         ("categories", "Per category (MT-bench, Spec-Bench)", _table(display_table(tables.per_category))),
+        ("revisions", "Earlier revisions (before a retrained drafter or other settings)", _revisions(records)),
         ("missing", "Missing and partial records", _problems(records, figures)),
         ("references", "Reported by the papers (not measured here)",
          '<p class="ref">The numbers in this section are <b>reported by the papers</b> and the Spec-Bench '

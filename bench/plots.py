@@ -19,6 +19,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
+from bench.goals import scaling_fit, scaling_rows  # noqa: E402
 from bench.tables import BASELINE, Records, Tables  # noqa: E402
 
 # Stable file contents for the same inputs (committed figures should not churn).
@@ -221,39 +222,6 @@ def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "")
                 linewidth=1, markersize=4, label=f"{method} · {task}{suffix}")
 
 
-# Issue 14's τ goals (greedy, the grid's settings): what the scaling fit extrapolates towards.
-TAU_GOALS: dict[str, dict[str, float]] = {"eagle3": {"mtbench": 3.0}, "dflash": {"humaneval": 3.5, "gsm8k": 3.5},
-                                          "medusa": {"*": 2.0}, "mtp": {"*": 2.0}}
-
-
-def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (method, task) with two or more training sizes: the least-squares line of τ on
-    log10(tokens), its rise per tenfold data, and, where the method has a goal for the
-    task and the line rises, the tokens at which it would reach the goal. An extrapolation
-    of a log-linear trend, so an estimate of the data needed, not a promise."""
-    fits = []
-    for (method, task), group in rows.groupby(["method", "task"]):
-        group = group.dropna(subset=["trained_tokens", "tau"])
-        if group["trained_tokens"].nunique() < 2:
-            continue
-        x = group["trained_tokens"].map(math.log10)
-        slope = float(((x - x.mean()) * (group["tau"] - group["tau"].mean())).sum() / ((x - x.mean()) ** 2).sum())
-        intercept = float(group["tau"].mean() - slope * x.mean())
-        goals = TAU_GOALS.get(method, {})
-        goal = goals.get(task, goals.get("*"))
-        largest = group.loc[group["trained_tokens"].idxmax()]
-        needed = float("nan")
-        if goal is not None and float(largest["tau"]) >= goal:
-            needed = float(largest["trained_tokens"])
-        elif goal is not None and slope > 0:
-            needed = 10 ** ((goal - intercept) / slope)
-        fits.append({"method": method, "task": task, "sizes": int(group["trained_tokens"].nunique()),
-                     "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
-                     "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
-                     "tokens_to_goal": needed})
-    return pd.DataFrame(fits)
-
-
 def _fit_sentence(fit: pd.DataFrame) -> str:
     parts = []
     for row in fit.itertuples():
@@ -273,11 +241,7 @@ def _fit_sentence(fit: pd.DataFrame) -> str:
 
 def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     name, title = "scaling", "τ vs training tokens"
-    rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
-    rows = rows[rows["trained_tokens"].notna()] if not rows.empty else rows
-    if not rows.empty:  # one training run's drafters per line: a run with two or more sizes
-        sizes = rows.groupby(["method", rows["drafter_run"].fillna("")])["trained_tokens"].transform("nunique")
-        rows = rows[sizes >= 2]
+    rows = scaling_rows(per_task)
     if rows.empty:
         return Skipped(name, title, "no method run with drafters kept at two or more training sizes "
                                     "(bench train --keep-at, then bench run --drafter OUT/kept/<N>-tokens)")

@@ -11,8 +11,10 @@ import shutil
 from pathlib import Path
 
 from bench.core.errors import BenchError
+from bench.goals import GOAL_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
+from bench.revisions import display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
     HEADLINE,
@@ -21,15 +23,17 @@ from bench.tables import (
     RunFile,
     Tables,
     build_tables,
+    csv_table,
     display_table,
     load_records,
+    summarize,
     to_markdown,
     update_readmes,
     write_tables,
 )
 
 
-def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, str]:
+def readme_blocks(tables: Tables, records: Records, command: str, goals=None) -> dict[str, str]:
     """What `bench report --readme` writes between markers: `report` (the headline, README.md)
     and `references` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
@@ -48,10 +52,41 @@ def readme_blocks(tables: Tables, records: Records, command: str) -> dict[str, s
             "per-question tok/s over the same turns (bench/specbench.py). "
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\".")
     refs = references_table(load_references())
+    earlier = display_revisions(revisions_table(records, "overall"))
+    if not earlier.empty:  # a retrained drafter's numbers beside the ones it replaced
+        note += ("\n\nBefore and after: every method with an earlier revision of its records (a retrained "
+                 "drafter, other settings), each revision pooled over the same tasks; per task in the report's "
+                 "\"Earlier revisions\".\n\n" + to_markdown(earlier))
+    if goals is not None and not goals.empty:
+        note += ("\n\nGoals (bench/goals.py; the grid's greedy series; per task, with what more data the scaling "
+                 "runs predict, in the report's \"Goals\"):\n\n" + goals_summary(goals))
     return {"report": to_markdown(display_table(tables.overall)) + note,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
             "(other targets, other hardware), from bench/reference_numbers.json with the sources methods/README.md "
             "lists; not measured here."}
+
+
+def scaling_fit_of(results_dir: Path):
+    """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>) where results_dir has them."""
+    tags = sorted({p.stem.split("-", 1)[1] for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")})
+    if not tags:
+        return None
+    try:
+        records = load_records(Path(results_dir), tags=tuple(tags))
+    except BenchError:
+        return None
+    return scaling_fit(scaling_rows(summarize(records, "task")))
+
+
+def goals_of(tables: Tables, results_dir: Path):
+    """The goals table (bench.goals) of the grid's series in the selection; None without one."""
+    per_task = tables.per_task
+    if per_task.empty:
+        return None
+    series = [s for s in GOAL_SERIES if s in set(per_task["series"])]
+    if not series:
+        return None
+    return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir))
 
 
 DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
@@ -115,9 +150,17 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         written = write_tables(tables, stage, records)
+        earlier = revisions_table(records, "task")
+        if not earlier.empty:
+            written.append(stage / "tables" / "revisions.csv")
+            csv_table(earlier).to_csv(written[-1], index=False)
         figures = make_figures(records, tables, stage, load)
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
-        write_html(stage / "report.html", render(records, tables, figures, selection))
+        goals = goals_of(tables, Path(results_dir))
+        if goals is not None and not goals.empty:
+            written.append(stage / "tables" / "goals.csv")
+            goals.to_csv(written[-1], index=False)
+        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))
@@ -132,7 +175,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     if readme is not None:
         command = "bench report" + "".join(f" --{k} {v}" for k, values in (("target", targets), ("task", tasks),
                                            ("method", methods), ("tag", tags)) for v in values)
-        blocks = readme_blocks(tables, records, command)
+        blocks = readme_blocks(tables, records, command, goals)
         results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
         top = {HEADLINE: blocks.pop(HEADLINE)}
         if f"<!-- {DRAFTERS}:start -->" in Path(readme).read_text(encoding="utf-8"):

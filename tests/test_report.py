@@ -128,6 +128,40 @@ def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
         "ar-grid.jsonl", "pld-grid.jsonl"]
 
 
+def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
+    from bench.report import make_report
+    from bench.revisions import display_revisions, revisions_table
+
+    write_clean(tmp_path, tag="grid")  # gsm8k: pld speedup 4 (a 0.2M-token drafter), MT-bench 2
+    write_run(tmp_path, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
+    write_run(tmp_path, "gsm8k", "pld", "grid.r2", [turn("1", decode=0.9, **PLD_ROUNDS)],
+              drafter={"sha": "new", "trained_tokens": 1_400_000})  # retrained: now speedup 2
+    records = load_records(tmp_path, tags=("grid",))
+    per_task = revisions_table(records, "task")
+    assert list(zip(per_task.task, per_task.method, per_task.records)) == [
+        ("gsm8k", "pld", "grid"), ("gsm8k", "pld", "grid.r2")]  # MT-bench has one revision: not listed
+    assert list(per_task.speedup) == pytest.approx([4.0, 2.0]) and list(per_task.tau) == pytest.approx([3.0, 3.0])
+    shown = display_revisions(per_task)
+    assert list(shown["changed against the newest"]) == ["drafter", "(newest)"]
+    assert list(shown["drafter trained on"]) == ["-", "1.40M tokens"]
+    # Pooled, each revision over the same tasks (GSM8K only), never MT-bench's unchanged turns.
+    overall = revisions_table(records, "overall")
+    assert list(overall.records) == ["grid", "grid.r2"] and list(overall.turns) == [1, 1]
+    assert revisions_table(load_records(tmp_path, tags=("grid",), tasks=("mtbench",))).empty
+    # In the report (its own section, tables/revisions.csv) and in the README's headline block.
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- report:start -->\n<!-- report:end -->\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "README.md").write_text("<!-- references:start -->\n<!-- references:end -->\n")
+    out = make_report(tmp_path, tmp_path / "out", tags=("grid",), readme=readme)
+    html = out["html"].read_text()
+    assert 'id="revisions"' in html and "1.40M tokens" in html
+    assert 'id="goals"' in html and "eagle3 τ ≥ 3" in html  # the grid's series: its goals (none of it ran)
+    assert (tmp_path / "out" / "tables" / "revisions.csv").read_text().count("\n") == 3
+    assert "Before and after" in readme.read_text() and "| pld | grid.r2 |" in readme.read_text()
+    assert "- every method 100% exact against AR: met on 1 of 1 tasks" in readme.read_text()
+
+
 def test_table_writers(tmp_path):
     write_clean(tmp_path)
     tables = build_tables(load_records(tmp_path))
@@ -472,7 +506,7 @@ def test_scaling_fit_extrapolates_to_the_goal():
     τ = 3 at 1e9 tokens; a flat line gives no estimate; a goal already met reports the size."""
     import pandas as pd
 
-    from bench.plots import scaling_fit
+    from bench.goals import scaling_fit
 
     rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
                           "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6, 5e6)]
@@ -484,6 +518,43 @@ def test_scaling_fit_extrapolates_to_the_goal():
     assert fit.loc["eagle3", "tokens_to_goal"] == pytest.approx(1e9, rel=1e-6)
     assert math.isnan(fit.loc["mtp", "tokens_to_goal"]) and fit.loc["mtp", "goal"] == 2.0
     assert fit.loc["medusa", "tokens_to_goal"] == 1e6
+
+
+def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed():
+    """bench.goals on a hand-made per-task table: each goal per task, met or missed with the
+    shortfall; a missed τ goal quotes the scaling line's tokens; near ties do not count as
+    mismatches; a goal whose method did not run says so."""
+    import pandas as pd
+
+    from bench.goals import goals_summary, goals_table, scaling_fit
+
+    def cell(method, tau, speedup=1.2, match=1.0, near_ties=0, mismatches=0, task="mtbench"):
+        return {"series": "grid", "task": task, "method": method, "tau": tau, "speedup": speedup,
+                "match_rate": match, "near_ties": near_ties, "mismatches": mismatches}
+
+    per_task = pd.DataFrame([cell("ar", 1.0, 1.0), cell("eagle3", 2.5, 1.4), cell("eagle2", 2.0, 1.3),
+                             cell("eagle", 2.1, 1.1), cell("dflash", 2.2, 0.8, 0.95, near_ties=1),
+                             cell("ddtree", 2.6), cell("dspark", 2.5), cell("medusa", 2.0),
+                             cell("mtp", 1.5, mismatches=1, match=0.9)])
+    fit = scaling_fit(pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
+                                     "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6)]))
+    goals = goals_table(per_task, fit)
+    status = {(r.goal, r.task): (r.status, r.measured, r.note) for r in goals.itertuples()}
+    assert status[("eagle3 τ ≥ 3", "mtbench")] == (
+        "missed", "τ 2.50", "short by 0.50; ~1B training tokens by the scaling line (+0.50 τ per tenfold data, "
+        "fitted up to 1M)")
+    assert status[("medusa τ ≥ 2", "mtbench")][0] == "met"
+    assert status[("mtp τ ≥ 2", "mtbench")][2] == "short by 0.50; no scaling runs for it"
+    assert status[("dspark τ ≥ 1.1 × dflash τ", "mtbench")][:2] == ("met", "2.50 vs 2.20 (1.14x)")
+    assert status[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("missed", "2.50 / 2.00 / 2.10")
+    assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
+    assert status[("eagle3 speedup > 1", "mtbench")][0] == "met"
+    exact = status[("every method 100% exact against AR", "mtbench")]
+    assert exact == ("missed", "7 of 8 methods", "mtp: 1 mismatched turns; dflash: 1 near ties")
+    assert ("dflash τ ≥ eagle3 τ", "mtbench") not in status  # a code-and-math goal
+    assert "- eagle3 speedup > 1: met on 1 of 1 tasks" in goals_summary(goals)
+    lonely = goals_table(per_task[per_task["method"].isin(["ar", "eagle3"])])
+    assert set(lonely[lonely["goal"] == "mtp τ ≥ 2"]["status"]) == {"not run"}
 
 
 def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):

@@ -1,0 +1,163 @@
+"""The drafters' goals (greedy, the grid's suites and settings) against what the records measured.
+
+Each goal is checked per task on the report's per-task table; a missed τ goal says by how
+much, and, where the scaling runs (`make scaling-runs`) fitted a line of τ on log10(training
+tokens) for that method and task, about how many training tokens the line reaches it at.
+Goals follow the literature's orderings at the papers' training scales (methods/README.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from bench.records import BASELINE
+
+# τ at least this much, per method and task ("*": every task the method ran on).
+TAU_GOALS: dict[str, dict[str, float]] = {"eagle3": {"mtbench": 3.0}, "dflash": {"humaneval": 3.5, "gsm8k": 3.5},
+                                          "medusa": {"*": 2.0}, "mtp": {"*": 2.0}}
+TAU_AT_LEAST_OTHER = [("dflash", "eagle3", 1.0, ("humaneval", "gsm8k")),  # DFlash >= EAGLE-3 on code and math
+                      ("dspark", "dflash", 1.1, ("*",))]  # DSpark >= 1.1x DFlash at the same block
+TAU_ORDER = ("eagle3", "eagle2", "eagle")  # strictly decreasing τ on every task
+SPEEDUP_ABOVE_ONE = ("eagle2", "eagle3", "dflash", "ddtree", "dspark")
+
+
+def tau_goal(method: str, task: str) -> float | None:
+    goals = TAU_GOALS.get(method, {})
+    return goals.get(task, goals.get("*"))
+
+
+def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (method, task) with two or more training sizes: the least-squares line of τ on
+    log10(tokens), its rise per tenfold data, and, where the method has a goal for the
+    task and the line rises, the tokens at which it would reach the goal. An extrapolation
+    of a log-linear trend, so an estimate of the data needed, not a promise."""
+    fits = []
+    for (method, task), group in rows.groupby(["method", "task"]):
+        group = group.dropna(subset=["trained_tokens", "tau"])
+        if group["trained_tokens"].nunique() < 2:
+            continue
+        x = group["trained_tokens"].map(math.log10)
+        slope = float(((x - x.mean()) * (group["tau"] - group["tau"].mean())).sum() / ((x - x.mean()) ** 2).sum())
+        intercept = float(group["tau"].mean() - slope * x.mean())
+        goal = tau_goal(method, task)
+        largest = group.loc[group["trained_tokens"].idxmax()]
+        needed = float("nan")
+        if goal is not None and float(largest["tau"]) >= goal:
+            needed = float(largest["trained_tokens"])
+        elif goal is not None and slope > 0:
+            needed = 10 ** ((goal - intercept) / slope)
+        fits.append({"method": method, "task": task, "sizes": int(group["trained_tokens"].nunique()),
+                     "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
+                     "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
+                     "tokens_to_goal": needed})
+    return pd.DataFrame(fits)
+
+
+def scaling_rows(per_task: pd.DataFrame) -> pd.DataFrame:
+    """The rows a scaling fit reads: each training run's drafters at two or more sizes."""
+    rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
+    rows = rows[rows["trained_tokens"].notna()] if not rows.empty else rows
+    if not rows.empty:  # one training run's drafters per line: a run with two or more sizes
+        sizes = rows.groupby(["method", rows["drafter_run"].fillna("")])["trained_tokens"].transform("nunique")
+        rows = rows[sizes >= 2]
+    return rows
+
+
+def _cell(per_task: pd.DataFrame, method: str, task: str) -> pd.Series | None:
+    rows = per_task[(per_task["method"] == method) & (per_task["task"] == task)]
+    return None if rows.empty else rows.iloc[0]
+
+
+def _tokens(n: float) -> str:
+    if n >= 1e12:
+        return f"{n:.1e}"
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _to_goal(fit: pd.DataFrame | None, method: str, task: str) -> str:
+    """The fitted line's training tokens at the goal, from the scaling runs, where there is one."""
+    if fit is None or fit.empty:
+        return "no scaling runs for it"
+    rows = fit[(fit["method"] == method) & (fit["task"] == task)]
+    if rows.empty:
+        return "no scaling runs for it"
+    row = rows.iloc[0]
+    if math.isnan(row["tokens_to_goal"]):
+        return f"the scaling line does not rise ({row['tau_per_10x']:+.2f} τ per tenfold data)"
+    return (f"~{_tokens(row['tokens_to_goal'])} training tokens by the scaling line "
+            f"({row['tau_per_10x']:+.2f} τ per tenfold data, fitted up to {_tokens(row['largest_tokens'])})")
+
+
+def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per goal and task: the measured value, met or missed (by how much), and for a
+    missed τ goal what the scaling fit says more data would do. One series per table: the
+    caller selects it (the newest revision of the grid)."""
+    if per_task.empty:
+        return pd.DataFrame()
+    rows = []
+    tasks = sorted(per_task["task"].unique())
+    ran = set(per_task["method"])
+
+    def add(goal: str, task: str, measured: str, met: bool | None, note: str = "") -> None:
+        status = "not run" if met is None else ("met" if met else "missed")
+        rows.append({"goal": goal, "task": task, "measured": measured, "status": status, "note": note})
+
+    for method, goals in TAU_GOALS.items():
+        for task in tasks if "*" in goals else [t for t in goals if t in tasks]:
+            goal, cell = tau_goal(method, task), _cell(per_task, method, task)
+            if cell is None:
+                add(f"{method} τ ≥ {goal:g}", task, "-", None)
+                continue
+            met = cell["tau"] >= goal
+            add(f"{method} τ ≥ {goal:g}", task, f"τ {cell['tau']:.2f}", met,
+                "" if met else f"short by {goal - cell['tau']:.2f}; {_to_goal(fit, method, task)}")
+    for method, other, ratio, goal_tasks in TAU_AT_LEAST_OTHER:
+        for task in tasks if "*" in goal_tasks else [t for t in goal_tasks if t in tasks]:
+            mine, theirs = _cell(per_task, method, task), _cell(per_task, other, task)
+            name = f"{method} τ ≥ {'' if ratio == 1 else f'{ratio:g} × '}{other} τ"
+            if mine is None or theirs is None:
+                add(name, task, "-", None)
+                continue
+            share = mine["tau"] / theirs["tau"]
+            add(name, task, f"{mine['tau']:.2f} vs {theirs['tau']:.2f} ({share:.2f}x)", share >= ratio)
+    if set(TAU_ORDER) <= ran:
+        for task in tasks:
+            cells = [_cell(per_task, m, task) for m in TAU_ORDER]
+            if any(c is None for c in cells):
+                continue
+            taus = [c["tau"] for c in cells]
+            add(" > ".join(f"{m} τ" for m in TAU_ORDER), task, " / ".join(f"{t:.2f}" for t in taus),
+                all(a > b for a, b in zip(taus, taus[1:])))
+    for method in SPEEDUP_ABOVE_ONE:
+        for task in tasks:
+            cell = _cell(per_task, method, task)
+            if cell is None or pd.isna(cell.get("speedup")):
+                add(f"{method} speedup > 1", task, "-", None)
+                continue
+            add(f"{method} speedup > 1", task, f"{cell['speedup']:.2f}x", cell["speedup"] > 1.0,
+                "" if cell["speedup"] > 1.0 else f"{1 / cell['speedup']:.2f}x slower than AR")
+    methods = per_task[per_task["method"].ne(BASELINE) & per_task["match_rate"].notna()]
+    for task, group in methods.groupby("task"):  # a divergence at a near-tie of the top-2 logits is told apart
+        inexact, ties = group[group["mismatches"] > 0], group[group["near_ties"] > 0]
+        add("every method 100% exact against AR", task, f"{len(group) - len(inexact)} of {len(group)} methods",
+            inexact.empty, "; ".join([f"{r.method}: {r.mismatches} mismatched turns" for r in inexact.itertuples()]
+                                     + [f"{r.method}: {r.near_ties} near ties" for r in ties.itertuples()]))
+    return pd.DataFrame(rows)
+
+
+GOAL_SERIES = ("grid", "full")  # the goals are stated for the grid's suites and settings
+
+
+def goals_summary(frame: pd.DataFrame) -> str:
+    """One Markdown line per goal: on how many tasks it is met, and the misses' measurements."""
+    lines = []
+    for goal, group in frame.groupby("goal", sort=False):
+        met = group[group["status"] == "met"]
+        missed = group[group["status"] == "missed"]
+        text = f"- {goal}: met on {len(met)} of {len(group)} tasks"
+        if not missed.empty:
+            text += "; missed on " + ", ".join(f"{r.task} ({r.measured})" for r in missed.itertuples())
+        lines.append(text)
+    return "\n".join(lines)

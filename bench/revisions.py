@@ -1,0 +1,97 @@
+"""Earlier revisions beside the newest: what a retrained drafter or new defaults changed.
+
+bench.grid never overwrites finished records: a cell whose settings changed (a retrained
+drafter, another dtype) runs into the next revision of its tag (`grid.r2`, ...), and the
+tables show the newest. This module puts the older revisions back beside it, each summarized
+as the tables summarize the newest (τ, speedup against the baseline of its own revision),
+with the settings that changed, so a report shows the old and the new numbers side by side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from bench.records import BASELINE, RunFile, pool_repeats
+from bench.tables import Records, summarize
+
+NEWEST = "(newest)"
+
+
+def _key(run: RunFile) -> tuple[str, str, str, str]:
+    return run.target, run.series, run.task, run.method
+
+
+def _changed(old: dict, new: dict) -> str:
+    """The top-level settings that differ (a retrained drafter shows as `drafter`)."""
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in ("tag", "git_sha"))
+    return ", ".join(keys) or "nothing recorded"
+
+
+def _summary(runs: list[RunFile], keys: set, by: str) -> pd.DataFrame:
+    """summarize() over the runs of `keys` and their baselines (repeats pooled as the tables
+    pool them), so every revision of a method pools over the same tasks; baselines left out."""
+    cells = {key[:3] for key in keys}
+    groups: dict[tuple, list[RunFile]] = {}
+    for run in runs:
+        if _key(run) in keys or (run.method == BASELINE and _key(run)[:3] in cells):
+            groups.setdefault(_key(run), []).append(run)
+    frame = summarize(Records([kept for group in groups.values() for kept in pool_repeats(group)[0]]), by)
+    return frame[frame.method.ne(BASELINE)] if not frame.empty else frame
+
+
+def revisions_table(records: Records, by: str = "task") -> pd.DataFrame:
+    """One row per revision (older ones, then the newest) of every method whose records have a
+    superseded revision. by="overall": turns pooled over the tasks each revision covers."""
+    keys = {_key(r) for r in records.superseded if r.method != BASELINE}
+    if not keys:
+        return pd.DataFrame()
+    newest = {_key(r): r for r in records.runs}
+    frames = []
+    for revision in sorted({r.revision for r in records.superseded}):
+        frame = _summary([r for r in records.superseded if r.revision == revision], keys, by)
+        if frame.empty:
+            continue
+        frame["records"] = [f"{s}.r{revision}" if revision > 1 else s for s in frame.series]
+        if by == "task":
+            old = {_key(r): r for r in records.superseded if r.revision == revision}
+            frame["changed"] = [_changed(old[k].settings, newest[k].settings) if k in newest else "no newer revision"
+                                for k in zip(frame.target, frame.series, frame.task, frame.method)]
+        frames.append(frame.assign(order=revision))
+    tags = {(k[0], k[1], k[3]): set() for k in keys}
+    for key in keys:
+        if key in newest:
+            tags[(key[0], key[1], key[3])].add(newest[key].tag)
+    current = _summary(records.runs, keys, by)
+    if current.empty:
+        return pd.concat(frames, ignore_index=True).drop(columns="order") if frames else pd.DataFrame()
+    current["records"] = [", ".join(sorted(tags[(t, s, m)])) for t, s, m in
+                          zip(current.target, current.series, current.method)] if by != "task" else \
+        [newest[k].tag for k in zip(current.target, current.series, current.task, current.method)]
+    current["changed"] = NEWEST
+    frame = pd.concat([*frames, current.assign(order=math.inf)], ignore_index=True)
+    order = [c for c in ("target", "series", "task") if c in frame] + ["method", "order"]
+    return frame.sort_values(order).drop(columns="order").reset_index(drop=True)
+
+
+def display_revisions(frame: pd.DataFrame) -> pd.DataFrame:
+    """Readable columns: the records (tag revision), the drafter's trained tokens, τ, speedup."""
+    if frame.empty:
+        return frame
+    rows = []
+    for _, r in frame.iterrows():
+        row = {"target": r["target"]} if frame["target"].nunique() > 1 else {}
+        if "task" in frame:
+            row["task"] = r["task"]
+        speedup, tokens = r.get("speedup", math.nan), r.get("trained_tokens", math.nan)
+        low, high = r["speedup_ci"] if isinstance(r.get("speedup_ci"), (tuple, list)) else (math.nan, math.nan)
+        row.update({"method": r["method"], "records": r["records"], "turns": int(r["turns"]),
+                    "drafter trained on": "-" if pd.isna(tokens) else f"{tokens / 1e6:.2f}M tokens",
+                    "τ": "-" if pd.isna(r["tau"]) else f"{r['tau']:.2f}",
+                    "speedup [95% CI]": "- (no baseline)" if pd.isna(speedup)
+                    else f"{speedup:.2f}x [{low:.2f}, {high:.2f}]"})
+        if "changed" in frame and not pd.isna(r.get("changed")):
+            row["changed against the newest"] = r["changed"]
+        rows.append(row)
+    return pd.DataFrame(rows)
