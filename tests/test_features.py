@@ -115,8 +115,35 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
     predicted = {i + 1 for i in mask.nonzero().flatten().tolist()}
     assert predicted == {i for start, end in first["reply_spans"] for i in range(start, end)}
     distill(default_target, settings, {}, progress=False)  # the second shard arrives
+    index = json.loads((store.folder / "index.json").read_text())
+    del index["distilled_read"]  # a cache from before positions were kept: resumes by conversation count
+    (store.folder / "index.json").write_text(json.dumps(index))
     grown = ensure_features(default_target, (30,), data, progress=False)
+    assert grown.index["distilled_read"] == {"0": 2, "1": 1}
     assert grown.num_tokens == sum(len(r["tokens"]) for r in distill(default_target, settings, {}).rows())
+
+
+def test_distilled_shards_finishing_out_of_order_are_each_read_once(default_target, cache, one_thread, tmp_path):
+    """Distillation runs shard ranges in parallel, so a shard before the ones a cache read can
+    finish later: the cache keeps the distilled rows it read per shard and grows by the rest,
+    never reading a conversation twice or skipping one (counting conversations would)."""
+    from bench.core.training.distill import DistillSettings, distill
+
+    entries = [{"id": str(i), "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "x"}]}
+               for i, text in enumerate(["Say hi.", "What is 2+2?", "Name a color."])]
+    (tmp_path / "sg.json").write_text(json.dumps(entries))
+    settings = DistillSettings(max_reply=16, max_context=300, shard_conversations=1, dtype="float32",
+                               data_path=str(tmp_path / "sg.json"))
+    distill(default_target, settings, {}, shards=range(1, 2), progress=False)
+    data = FeatureData(max_tokens=10_000, max_len=256, self_distill=True)
+    first = ensure_features(default_target, (30,), data, progress=False)
+    assert first.index["distilled_read"] == {"1": 1}
+    distilled = distill(default_target, settings, {}, progress=False)  # shards 0 and 2 arrive
+    by_shard = {shard: row["tokens"] for shard, _, row in distilled.rows_after({})}
+    grown = ensure_features(default_target, (30,), data, progress=False)
+    expected = by_shard[1] + by_shard[0] + by_shard[2]
+    assert grown.load((30,))["tokens"].tolist() == expected
+    assert grown.index["distilled_read"] == {"0": 1, "1": 1, "2": 1}
 
 
 def test_states_are_mapped_from_tap_files_and_old_caches_convert(default_target, cache, one_thread):

@@ -320,10 +320,19 @@ class DistilledData:
 
     def rows(self):
         """Every conversation row of the finished shards."""
+        for _, _, row in self.rows_after({}):
+            yield row
+
+    def rows_after(self, read: dict[int, int]):
+        """(shard, row number, row) of the finished shards in shard order, leaving out the
+        first read[shard] rows of each: what a reader that has taken `read` has not seen yet,
+        even where a shard before the ones it read has finished since."""
         for shard in self.shards():
+            number, skip = shard["shard"], read.get(shard["shard"], 0)
             with open_shard(self.folder / shard["file"]) as handle:
-                for line in handle:
-                    yield json.loads(line)
+                for row_number, line in enumerate(handle):
+                    if row_number >= skip:
+                        yield number, row_number, json.loads(line)
 
 
 def distill_status() -> str:

@@ -5,7 +5,8 @@ hidden states on training conversations. Running the target is most of the cost 
 CPU epoch, so the states are extracted once per (target, data) and cached on disk:
 
   $BENCH_CACHE/features/<target>/<data key>/
-      index.json              settings, taps, shards, done flag
+      index.json              settings, taps, shards, done flag; for distilled data the
+                              rows read from each distilled shard (distilled_read)
       shard_00000.safetensors tokens int32 [n], loss_mask uint8 [n], offsets int64 [s+1]
       h<tap>.bf16             the tapped layer's states of every shard, in shard order:
                               raw bf16 [N, d], appended shard by shard
@@ -195,34 +196,45 @@ def drop_taps(store: FeatureStore, taps: tuple[int, ...]) -> FeatureStore:
 
 
 # ------------------------------------------------------------------ extraction
-def _conversations(target, data: FeatureData, skip: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
-    """(tokens, loss_mask) of training conversations, in a fixed order, from the
-    `skip`-th on (a resumed extraction skips what its finished shards hold)."""
+def _conversations(target, data: FeatureData, skip: int = 0,
+                   read: dict[int, int] | None = None) -> Iterator[tuple[Tensor, Tensor, dict[int, int] | None]]:
+    """(tokens, loss_mask, position) of training conversations in a fixed order: ShareGPT's
+    from the `skip`-th on; distilled ones after the rows `read` (per distilled shard), each
+    with the position after it (bench.core.training.distill: DistilledData.rows_after)."""
     from bench.core.training.data import ShareGPTExamples
 
     if data.self_distill:
-        yield from _distilled(data, skip)
+        yield from _distilled(data, read or {})
         return
     examples = ShareGPTExamples(target.tokenizer, data.max_len, data.seed,
                                 path=Path(data.data_path) if data.data_path else None)
     for count, (_, example) in enumerate(examples.iter_from(0)):
         if count >= skip:
-            yield example.tokens, example.loss_mask
+            yield example.tokens, example.loss_mask, None
 
 
-def _distilled(data: FeatureData, skip: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Distilled conversations in shard order, truncated to max_len; position i is a
-    target when token i+1 is one of the target's own reply tokens. Ends with the data."""
+def _distilled(data: FeatureData, read: dict[int, int]) -> Iterator[tuple[Tensor, Tensor, dict[int, int]]]:
+    """Distilled conversations not read yet, in shard order, truncated to max_len; position i
+    is a target when token i+1 is one of the target's own reply tokens. Ends with the data."""
     from bench.core.training.distill import DistilledData, reply_example
 
-    count = 0
-    for row in DistilledData(Path(data.distilled)).rows():
+    position = dict(read)
+    for shard, row_number, row in DistilledData(Path(data.distilled)).rows_after(read):
+        position[shard] = row_number + 1
         example = reply_example(row, data.max_len)
-        if example is None:
-            continue
-        count += 1
-        if count > skip:
-            yield example.tokens, example.loss_mask
+        if example is not None:
+            yield example.tokens, example.loss_mask, dict(position)
+
+
+def _read_by_count(data: FeatureData, sequences: int) -> dict[int, int]:
+    """A cache extracted before positions were kept: the distilled rows its first `sequences`
+    conversations came from, in today's shard order (as those caches resumed)."""
+    position: dict[int, int] = {}
+    for count, (_, _, after) in enumerate(_distilled(data, {}), start=1):
+        position = after
+        if count >= sequences:
+            break
+    return position
 
 
 def with_distilled_folder(target, data: FeatureData) -> FeatureData:
@@ -338,12 +350,15 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
     if not index["done"]:
         all_taps = tuple(index["taps"])
         skip = sum(s["sequences"] for s in index["shards"])
-        stream = _conversations(target, data, skip)  # the same order every time: resume after the last full shard
+        if data.self_distill and "distilled_read" not in index:
+            index["distilled_read"] = _read_by_count(data, skip) if skip else {}
+        read = {int(k): v for k, v in index.get("distilled_read", {}).items()}
+        stream = _conversations(target, data, skip, read)  # resume after the last full shard's conversations
         bar = tqdm(total=data.max_tokens, initial=done_tokens, desc="extracting target features", unit="tok",
                    disable=not progress)
         while done_tokens < data.max_tokens:
             batch = []
-            while len(batch) < SHARD_SEQUENCES and done_tokens + sum(len(t) for t, _ in batch) < data.max_tokens:
+            while len(batch) < SHARD_SEQUENCES and done_tokens + sum(len(t) for t, _, _ in batch) < data.max_tokens:
                 sequence = next(stream, None)
                 if sequence is None:  # the data ran out before max_tokens (distilled data still growing)
                     index["exhausted"] = True
@@ -355,7 +370,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 batch.append(sequence)
             if not batch:
                 break
-            shard = _extract_shard(engine, batch, all_taps)
+            shard = _extract_shard(engine, [(tokens, mask) for tokens, mask, _ in batch], all_taps)
             for tap in all_taps:  # the states first: a shard counts once the index lists it
                 _append_rows(tap_file(folder, tap), shard.pop(f"h{tap}"))
             name = f"shard_{len(index['shards']):05d}.safetensors"
@@ -363,6 +378,8 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             tokens = int(shard["tokens"].numel())
             index["shards"].append({"file": name, "sequences": len(batch), "tokens": tokens,
                                     "reply_tokens": int(shard["loss_mask"].sum())})
+            if batch[-1][2] is not None:  # the distilled rows read so far, per shard (JSON keys are strings)
+                index["distilled_read"] = {str(k): v for k, v in batch[-1][2].items()}
             write_json(index_path, index)
             done_tokens += tokens
             bar.update(tokens)
