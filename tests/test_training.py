@@ -264,9 +264,10 @@ def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
         dataclasses.replace(settings, epochs=1.0).loop_config()
 
 
-def test_ship_drafter_stores_bf16_and_keeps_side_files(tmp_path):
+def test_ship_drafter_stores_bf16_and_makes_the_folder_that_drafter(tmp_path):
     """bench ship's copy: float weights stored in bf16 (exactly what a bf16 drafter computes
-    with), integer tables as they are, side files copied, the stored dtype in the manifest."""
+    with), integer tables as they are, the stored dtype in the manifest, logs gzipped, other
+    side files copied, the trainer's resume files and the previous drafter's files gone."""
     import json
 
     import torch
@@ -279,15 +280,24 @@ def test_ship_drafter_stores_bf16_and_keeps_side_files(tmp_path):
     weights = {"w": torch.randn(8, 4), "vocab": torch.arange(5)}
     save_file(weights, str(source / WEIGHTS))
     (source / MANIFEST).write_text(json.dumps({"method": "eagle3", "training": {"steps": 3}}))
-    (source / "draft_vocab.json").write_text("[1, 2]")
+    (source / "draft_vocab.json").write_text("[1, 2]")  # a trainer's resume file: not shipped
+    (source / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n' * 50)
+    (source / "tokenizer.json").write_text("{}")
     root = tmp_path / "shipped"
+    (root / "target" / "eagle3").mkdir(parents=True)
+    (root / "target" / "eagle3" / "old_side_file.bin").write_bytes(b"x")  # the previous drafter's
     size = ship_drafter(source, root / "target" / "eagle3")
     shipped = load_file(str(root / "target" / "eagle3" / WEIGHTS))
     assert shipped["w"].dtype == torch.bfloat16 and torch.equal(shipped["w"], weights["w"].bfloat16())
     assert torch.equal(shipped["vocab"], weights["vocab"])
     manifest = json.loads((root / "target" / "eagle3" / MANIFEST).read_text())
     assert manifest["stored_dtype"] == "bfloat16" and manifest["training"] == {"steps": 3}
-    assert (root / "target" / "eagle3" / "draft_vocab.json").read_text() == "[1, 2]"
+    import gzip
+
+    folder = root / "target" / "eagle3"
+    assert sorted(p.name for p in folder.iterdir()) == ["drafter.json", "log.jsonl.gz", "model.safetensors",
+                                                         "tokenizer.json"]
+    assert gzip.decompress((folder / "log.jsonl.gz").read_bytes()) == (source / "log.jsonl").read_bytes()
     assert size == shipped_bytes(root) > 0
 
 

@@ -193,13 +193,19 @@ def record_training_run(folder: Path, command: str, device: str) -> None:
 
 
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
+# What a trainer keeps beside the drafter to resume with the same draft vocabulary; the map
+# itself is a buffer in the weights, so a shipped drafter does without them.
+RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors")
 
 
 def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """Copy the drafter in `source` (weights and manifest) over the one in `dest`, its float
-    weights stored in `dtype` (bf16 as published checkpoints are; None keeps them): drafters
-    that compute in bf16 draft exactly as before. The manifest records the stored dtype.
-    Returns the bytes now in `dest`."""
+    """Make `dest` the drafter in `source`: its weights and manifest, its float weights stored
+    in `dtype` (bf16 as published checkpoints are; None keeps them), so drafters that compute
+    in bf16 draft exactly as before; its training logs (*.jsonl) gzipped; other side files
+    (a tokenizer) as they are; files of the drafter shipped before that this one lacks, and
+    the trainer's resume files (RESUME_ONLY), removed. Returns the bytes now in `dest`."""
+    import gzip
+
     from safetensors.torch import load_file
 
     source, dest = Path(source), Path(dest)
@@ -209,11 +215,23 @@ def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfl
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
         manifest["stored_dtype"] = str(dtype).removeprefix("torch.")
     dest.mkdir(parents=True, exist_ok=True)
-    for extra in source.iterdir():  # side files (a draft vocabulary, a tokenizer): as they are
-        if extra.is_file() and extra.name not in (WEIGHTS, MANIFEST) and not extra.name.startswith("."):
-            (dest / extra.name).write_bytes(extra.read_bytes())
-    if source.resolve() != dest.resolve() or dtype is not None:
+    kept = {WEIGHTS, MANIFEST}
+    same = source.resolve() == dest.resolve()
+    for extra in sorted(source.iterdir()):
+        if not extra.is_file() or extra.name in kept or extra.name.startswith(".") or extra.name in RESUME_ONLY:
+            continue
+        if extra.suffix == ".jsonl":  # a per-step log: provenance, 5-10x smaller compressed
+            kept.add(extra.name + ".gz")
+            (dest / (extra.name + ".gz")).write_bytes(gzip.compress(extra.read_bytes(), mtime=0))
+        else:
+            kept.add(extra.name)
+            if not same:
+                (dest / extra.name).write_bytes(extra.read_bytes())
+    if not same or dtype is not None:
         write_drafter(dest, weights, manifest)
+    for old in dest.iterdir():  # what the drafter shipped before had and this one has not
+        if old.is_file() and old.name not in kept:
+            old.unlink()
     return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
 
