@@ -154,10 +154,12 @@ def goals_summary(frame: pd.DataFrame) -> str:
     """One Markdown line per goal: on how many tasks it is met, and the misses' measurements."""
     lines = []
     for goal, group in frame.groupby("goal", sort=False):
-        met = group[group["status"] == "met"]
-        missed = group[group["status"] == "missed"]
+        met, missed = group[group["status"] == "met"], group[group["status"] == "missed"]
+        unmeasured = group[group["status"] == "not run"]
         text = f"- {goal}: met on {len(met)} of {len(group)} tasks"
         if not missed.empty:
             text += "; missed on " + ", ".join(f"{r.task} ({r.measured})" for r in missed.itertuples())
+        if not unmeasured.empty:
+            text += "; not measured on " + ", ".join(unmeasured["task"])
         lines.append(text)
     return "\n".join(lines)

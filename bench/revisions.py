@@ -91,7 +91,7 @@ def display_revisions(frame: pd.DataFrame) -> pd.DataFrame:
                     "τ": "-" if pd.isna(r["tau"]) else f"{r['tau']:.2f}",
                     "speedup [95% CI]": "- (no baseline)" if pd.isna(speedup)
                     else f"{speedup:.2f}x [{low:.2f}, {high:.2f}]"})
-        if "changed" in frame and not pd.isna(r.get("changed")):
-            row["changed against the newest"] = r["changed"]
+        if "task" in frame:  # pooled rows mix tasks whose settings may have changed apart
+            row["changed against the newest"] = r["changed"] if isinstance(r.get("changed"), str) else ""
         rows.append(row)
     return pd.DataFrame(rows)

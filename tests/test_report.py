@@ -147,6 +147,7 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     # Pooled, each revision over the same tasks (GSM8K only), never MT-bench's unchanged turns.
     overall = revisions_table(records, "overall")
     assert list(overall.records) == ["grid", "grid.r2"] and list(overall.turns) == [1, 1]
+    assert "changed against the newest" not in display_revisions(overall)
     assert revisions_table(load_records(tmp_path, tags=("grid",), tasks=("mtbench",))).empty
     # In the report (its own section, tables/revisions.csv) and in the README's headline block.
     readme = tmp_path / "README.md"
@@ -555,6 +556,7 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed():
     assert "- eagle3 speedup > 1: met on 1 of 1 tasks" in goals_summary(goals)
     lonely = goals_table(per_task[per_task["method"].isin(["ar", "eagle3"])])
     assert set(lonely[lonely["goal"] == "mtp τ ≥ 2"]["status"]) == {"not run"}
+    assert "- mtp τ ≥ 2: met on 0 of 1 tasks; not measured on mtbench" in goals_summary(lonely)
 
 
 def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):
