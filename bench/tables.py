@@ -168,13 +168,14 @@ def _check_coverage(records: Records) -> None:
         where = str(run.path)
         keys = {(t["question_id"], t["turn"]) for t in run.pooled}
         if run.method != BASELINE:
-            base = by_key.get((run.target, run.task, run.series, BASELINE, run.repeat))
-            if base is None:
+            base = _base_for(records, run)
+            newest = by_key.get((run.target, run.task, run.series, BASELINE, run.repeat))
+            if base is None and newest is not None and newest.tag != run.tag:
+                records.problems.append(Problem("no baseline", where, f"its baseline revision {BASELINE}-{run.tag} "
+                                                f"is missing (newest is {newest.path.name}): no speedup"))
+            elif base is None:
                 records.problems.append(Problem("no baseline", where, f"no {BASELINE}-{run.tag or '(untagged)'} "
                                                 "records beside it: no speedup"))
-            elif base.tag != run.tag:
-                records.problems.append(Problem("no baseline", where, f"its baseline revision {BASELINE}-{run.tag} "
-                                                f"is missing (newest is {base.path.name}): no speedup"))
             else:
                 base_keys = {(t["question_id"], t["turn"]) for t in base.pooled}
                 if base_keys - keys:
@@ -270,9 +271,11 @@ def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
 
 
 def _base_for(records: Records, run: RunFile) -> RunFile | None:
+    """The baseline run of the same tag: a method not yet rerun into a newer revision keeps
+    the baseline it was interleaved with, though that baseline's newer revision is shown."""
     if run.method == BASELINE:
         return None
-    return next((r for r in records.runs if (r.target, r.task, r.tag, r.method) ==
+    return next((r for r in records.runs + records.superseded if (r.target, r.task, r.tag, r.method) ==
                  (run.target, run.task, run.tag, BASELINE)), None)
 
 

@@ -126,6 +126,11 @@ def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
     assert row(summarize(records, "task"), task="gsm8k", method="pld")["speedup"] == pytest.approx(2.0)
     assert sorted(p.where.rsplit("/", 1)[-1] for p in records.problems if p.kind == "superseded") == [
         "ar-grid.jsonl", "pld-grid.jsonl"]
+    # A method not rerun yet keeps the baseline it was interleaved with, though that one has a newer revision.
+    write_run(tmp_path, "mtbench", "ar", "grid.r2", [turn(q, n) for q, n in (("1", 1), ("1", 2), ("2", 1), ("2", 2))])
+    records = load_records(tmp_path, tags=("grid",))
+    assert row(summarize(records, "task"), task="mtbench", method="pld")["speedup"] == pytest.approx(2.0)
+    assert not [p for p in records.problems if p.kind == "no baseline"]
 
 
 def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
