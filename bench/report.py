@@ -10,6 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pandas as pd
+
 from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
@@ -33,7 +35,8 @@ from bench.tables import (
 )
 
 
-def readme_blocks(tables: Tables, records: Records, command: str, goals=None) -> dict[str, str]:
+def readme_blocks(tables: Tables, records: Records, command: str,
+                  goals: pd.DataFrame | None = None) -> dict[str, str]:
     """What `bench report --readme` writes between markers: `report` (the headline, README.md)
     and `references` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
@@ -66,7 +69,7 @@ def readme_blocks(tables: Tables, records: Records, command: str, goals=None) ->
             "lists; not measured here."}
 
 
-def scaling_fit_of(results_dir: Path):
+def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
     """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>) where results_dir has them."""
     tags = sorted({p.stem.split("-", 1)[1] for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")})
     if not tags:
@@ -78,7 +81,7 @@ def scaling_fit_of(results_dir: Path):
     return scaling_fit(scaling_rows(summarize(records, "task")))
 
 
-def goals_of(tables: Tables, results_dir: Path):
+def goals_of(tables: Tables, results_dir: Path) -> pd.DataFrame | None:
     """The goals table (bench.goals) of the grid's series in the selection; None without one."""
     per_task = tables.per_task
     if per_task.empty:
@@ -117,8 +120,6 @@ def drafters_table() -> str:
                      "command": f"`{command}`" if command else "not recorded"})
     if not rows:
         return "No shipped drafter."
-    import pandas as pd
-
     return to_markdown(pd.DataFrame(rows)) + ("\n\nFrom each shipped drafter's `drafter.json` (methods/checkpoints/); "
                                               "`make train-at-scale` trains and ships the set at scale.")
 
