@@ -151,6 +151,32 @@ def test_exported_drafter_matches_the_trained_student(tiny_target, sharegpt, tmp
     assert (draft.prefill(tokens, logits_rows="all").logits - want).abs().max() < 1e-4
 
 
+def test_chain_counts_follow_agreeing_prefixes_within_a_reply():
+    from bench.core.training.draft_lm import chain_counts
+
+    # Rows 10-13 are one reply, 20-21 another. Agreeing contiguous rows from each row: 2, 1, 0, 1, 2, 1.
+    agree = [True, True, False, True, True, True]
+    positions = [10, 11, 12, 13, 20, 21]
+    # Position 0: 5 of 6 agree. Position 1: chains from 10, 11, 13, 20, 21 agreed at 0; 13 and 21
+    # end their reply (no row ahead), so 2 of the 3 left (10, 11, 20) agree. Position 2: of the chains
+    # from 10 and 20 that agreed twice, only 10 has a row two ahead in its reply (12), and it disagrees.
+    assert chain_counts(agree, positions, 3) == [(5, 6), (2, 3), (0, 1)]
+
+
+def test_sps_training_measures_held_out_chain_agreement(tiny_target, sharegpt, tmp_path):
+    """The first conversations are held out; a draft equal to the target (all its layers,
+    fp32) agrees at every draft position, so the predicted τ of a gamma-3 chain is 4."""
+    out = tmp_path / "same"
+    layers = tiny_target.config.num_hidden_layers
+    summary = train_draft_lm(tiny_target, _settings(out, sharegpt, max_steps=1, lr=1e-12,
+                                                    options=dict(FP32, num_layers=layers)))
+    manifest = json.loads((out / "drafter.json").read_text())
+    heldout = manifest["heldout"]
+    assert heldout["held_out"] == "the first 1 conversations" and heldout["positions"] > 0
+    assert heldout["top1_by_position"] == [1.0, 1.0, 1.0] and heldout["predicted_tau"] == 4.0
+    assert summary["steps"] == 1
+
+
 def _draft_settings():
     from bench.core.training.draft_lm import DraftLMSettings
 
@@ -257,6 +283,7 @@ def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     settings = dataclasses.replace(_settings(tmp_path / "epochs", sharegpt, max_steps=1000), epochs=1.5, batch_size=2)
     summary = train_draft_lm(tiny_target, settings)
     conversations = len(ShareGPTExamples(tiny_target.tokenizer, settings.max_len, settings.seed, path=sharegpt))
+    conversations -= conversations // 8  # the held-out ones (at most an eighth) are not training data
     assert summary["steps"] == -(-3 * conversations // 4)  # ceil(1.5 * n / 2)
     manifest = json.loads((tmp_path / "epochs" / "drafter.json").read_text())
     assert manifest["training"]["max_steps"] == summary["steps"]

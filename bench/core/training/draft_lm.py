@@ -60,7 +60,23 @@ class DraftLMSettings:
     ce_weight: float = 0.0  # extra CE on the data's next token (0 = pure distillation)
     self_distill: bool = False  # train on the target's own greedy replies (`bench distill`) instead of ShareGPT's
     distilled: str | None = None  # self_distill: that data's folder (default: the target's largest)
+    heldout: int = 16  # the first conversations (at most an eighth of the data), never trained on
+    heldout_depth: int = 3  # draft positions the held-out agreement is measured at (sps drafts gamma 3)
     extra: dict = field(default_factory=dict)
+
+
+def chain_counts(agree: list[bool], positions: list[int], depth: int) -> list[tuple[int, int]]:
+    """For greedy chains drafted from each row on (rows at `positions`, the draft agreeing
+    with the target where `agree`), per draft position i < depth: (chains agreeing at i,
+    chains that reached i with a row there), i.e. agreed at the i rows before it, all
+    contiguous; a chain never runs past its reply, so a reply's end is not a disagreement."""
+    run, room = [0] * (len(agree) + 1), [0] * (len(agree) + 1)  # agreeing / existing contiguous rows from j on
+    for j in range(len(agree) - 1, -1, -1):
+        contiguous = j + 1 < len(agree) and positions[j + 1] == positions[j] + 1
+        room[j] = 1 + (room[j + 1] if contiguous else 0)
+        run[j] = (1 + (run[j + 1] if contiguous else 0)) if agree[j] else 0
+    return [(sum(1 for r in run[:-1] if r > i), sum(1 for r, m in zip(run[:-1], room[:-1]) if r >= i and m > i))
+            for i in range(depth)]
 
 
 class DraftDistillation:
@@ -127,6 +143,26 @@ class DraftDistillation:
         return loss, {"kl": kl_sum / total, "ce": ce_sum / total, "acc": agree / total,
                       "accept": overlap / total, "tokens": total}
 
+    @torch.no_grad()
+    def chain_agreement(self, examples: list[Example], depth: int) -> tuple[list[float], int]:
+        """Held-out top-1 agreement per draft position of a greedy chain: position i counts
+        where the draft agreed with the target at the i earlier positions of the same reply
+        (teacher-forced, exactly the context such a chain drafts in). Returns the agreement
+        per position and the reply positions measured."""
+        agreed, reached = [0] * depth, [0] * depth
+        for ex in examples:
+            tokens = ex.tokens.to(self.device)
+            rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
+            teacher = self.teacher.prefill(tokens, logits_rows=rows).logits.argmax(-1)
+            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
+                student = self.student.lm_head(hidden).argmax(-1)
+            for i, (yes, tried) in enumerate(chain_counts((student == teacher).tolist(), rows.tolist(), depth)):
+                agreed[i] += yes
+                reached[i] += tried
+        return [a / r if r else 0.0 for a, r in zip(agreed, reached)], reached[0]
+
     def export(self, folder: Path, manifest: dict) -> None:
         """Write the shippable drafter: non-shared weights in bf16 + drafter.json."""
         weights = {n: p.to(torch.bfloat16) for n, p in self.named_parameters()}
@@ -145,7 +181,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.core.training import loop
+    from bench.core.training import heldout_prediction, loop
     from bench.core.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
@@ -166,10 +202,15 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         data = ShareGPTExamples(target.tokenizer, settings.max_len, settings.seed, path=settings.data_path,
                                 limit=settings.data_limit)
 
+    # The first conversations are held out (stable as distilled data grows: new shards come after).
+    held = min(draft_settings.heldout, len(data) // 8)
+    held_examples = [e for e in (data.get(i) for i in range(held)) if e is not None]
+    train_units = len(data) - held
+
     def next_batch(cursor: int) -> tuple[list[Example], int]:
         batch = []
         for _ in range(100 * settings.batch_size):  # skip conversations without reply tokens
-            example = data.get(cursor)
+            example = data.get(held + cursor % train_units)
             cursor += 1
             if example is not None:
                 batch.append(example)
@@ -183,13 +224,17 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
                 "bf16_autocast": settings.bf16_autocast()}
     if settings.data_path:
         identity["data_path"] = str(settings.data_path)
-    cfg = settings.loop_config(len(data))
+    cfg = settings.loop_config(train_units)
     out_dir = Path(settings.out_dir)
 
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)
-        manifest = {
-            "method": method, "target": target_info, "weights": WEIGHTS,
+        manifest = {"method": method, "target": target_info, "weights": WEIGHTS}
+        if held_examples:
+            agreement, measured = objective.chain_agreement(held_examples, draft_settings.heldout_depth)
+            manifest["heldout"] = dict(heldout_prediction(agreement), positions=measured,
+                                       held_out=f"the first {len(held_examples)} conversations")
+        manifest.update({
             "training": {
                 "steps": step, "max_steps": cfg.max_steps, "batch_size": settings.batch_size,
                 "max_len": settings.max_len, "lr": settings.lr, "warmup_steps": settings.warmup_steps,
@@ -204,7 +249,7 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
                 "elapsed_s": rows[-1]["elapsed_s"] if rows else None,
                 "git_sha": git_sha(), "exported_at": timestamp(),
             },
-        }
+        })
         objective.export(out_dir, manifest)
 
     summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
