@@ -21,6 +21,7 @@ TAU_AT_LEAST_OTHER = [("dflash", "eagle3", 1.0, ("humaneval", "gsm8k")),  # DFla
                       ("dspark", "dflash", 1.1, ("*",))]  # DSpark >= 1.1x DFlash at the same block
 TAU_ORDER = ("eagle3", "eagle2", "eagle")  # strictly decreasing τ on every task
 SPEEDUP_ABOVE_ONE = ("eagle2", "eagle3", "dflash", "ddtree", "dspark")
+HELDOUT_TOP1 = {"sps": 0.6}  # the drafter's held-out top-1 agreement at draft position 0 (its manifest)
 
 
 def tau_goal(method: str, task: str) -> float | None:
@@ -90,6 +91,21 @@ def _to_goal(fit: pd.DataFrame | None, method: str, task: str) -> str:
             f"({row['tau_per_10x']:+.2f} τ per tenfold data, fitted up to {_tokens(row['largest_tokens'])})")
 
 
+def _heldout_top1(folder: str) -> float | None:
+    """Draft position 0's held-out top-1 agreement, as the drafter's training recorded it."""
+    from pathlib import Path
+
+    from bench.core.drafters import read_manifest
+    from bench.core.errors import BenchError
+
+    try:
+        heldout = read_manifest(Path(folder)).get("heldout") or {}
+    except BenchError:  # the drafter folder gone or unreadable since the run: not measured
+        return None
+    agreement = heldout.get("top1_by_position") or []
+    return float(agreement[0]) if agreement else None
+
+
 def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per goal and task: the measured value, met or missed (by how much), and for a
     missed τ goal what the scaling fit says more data would do. One series per table: the
@@ -101,8 +117,19 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None) -> pd.D
     ran = set(per_task["method"])
 
     def add(goal: str, task: str, measured: str, met: bool | None, note: str = "") -> None:
-        status = "not run" if met is None else ("met" if met else "missed")
+        status = ("not run" if measured == "-" else "not measured") if met is None else ("met" if met else "missed")
         rows.append({"goal": goal, "task": task, "measured": measured, "status": status, "note": note})
+
+    for method, goal in HELDOUT_TOP1.items():
+        runs = per_task.loc[per_task["method"] == method, "drafter_run"].dropna() if "drafter_run" in per_task \
+            else pd.Series(dtype=object)
+        if runs.empty:
+            add(f"{method} draft top-1 agreement ≥ {goal:g}", "held out", "-", None)
+            continue
+        top1 = _heldout_top1(str(runs.iloc[0]))
+        add(f"{method} draft top-1 agreement ≥ {goal:g}", "held out",
+            "not in its manifest" if top1 is None else f"{top1:.2f}", None if top1 is None else top1 >= goal,
+            "trained before held-out agreement was recorded" if top1 is None else f"drafter {runs.iloc[0]}")
 
     for method, goals in TAU_GOALS.items():
         for task in tasks if "*" in goals else [t for t in goals if t in tasks]:
@@ -155,7 +182,7 @@ def goals_summary(frame: pd.DataFrame) -> str:
     lines = []
     for goal, group in frame.groupby("goal", sort=False):
         met, missed = group[group["status"] == "met"], group[group["status"] == "missed"]
-        unmeasured = group[group["status"] == "not run"]
+        unmeasured = group[group["status"].isin(["not run", "not measured"])]
         text = f"- {goal}: met on {len(met)} of {len(group)} tasks"
         if not missed.empty:
             text += "; missed on " + ", ".join(f"{r.task} ({r.measured})" for r in missed.itertuples())

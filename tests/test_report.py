@@ -526,7 +526,7 @@ def test_scaling_fit_extrapolates_to_the_goal():
     assert fit.loc["medusa", "tokens_to_goal"] == 1e6
 
 
-def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed():
+def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path):
     """bench.goals on a hand-made per-task table: each goal per task, met or missed with the
     shortfall; a missed τ goal quotes the scaling line's tokens; near ties do not count as
     mismatches; a goal whose method did not run says so."""
@@ -541,7 +541,11 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed():
     per_task = pd.DataFrame([cell("ar", 1.0, 1.0), cell("eagle3", 2.5, 1.4), cell("eagle2", 2.0, 1.3),
                              cell("eagle", 2.1, 1.1), cell("dflash", 2.2, 0.8, 0.95, near_ties=1),
                              cell("ddtree", 2.6), cell("dspark", 2.5), cell("medusa", 2.0),
-                             cell("mtp", 1.5, mismatches=1, match=0.9)])
+                             cell("mtp", 1.5, mismatches=1, match=0.9), cell("sps", 1.4)])
+    drafter = tmp_path / "sps-drafter"
+    drafter.mkdir()
+    (drafter / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": [0.45, 0.5]}}))
+    per_task["drafter_run"] = [str(drafter) if m == "sps" else None for m in per_task["method"]]
     fit = scaling_fit(pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
                                      "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6)]))
     goals = goals_table(per_task, fit)
@@ -556,7 +560,11 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed():
     assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
     assert status[("eagle3 speedup > 1", "mtbench")][0] == "met"
     exact = status[("every method 100% exact against AR", "mtbench")]
-    assert exact == ("missed", "7 of 8 methods", "mtp: 1 mismatched turns; dflash: 1 near ties")
+    assert exact == ("missed", "8 of 9 methods", "mtp: 1 mismatched turns; dflash: 1 near ties")
+    assert status[("sps draft top-1 agreement ≥ 0.6", "held out")][:2] == ("missed", "0.45")
+    (drafter / "drafter.json").write_text("{}")  # trained before held-out agreement was recorded
+    unmeasured = goals_table(per_task, fit)
+    assert list(unmeasured.loc[unmeasured["task"] == "held out", "status"]) == ["not measured"]
     assert ("dflash τ ≥ eagle3 τ", "mtbench") not in status  # a code-and-math goal
     assert "- eagle3 speedup > 1: met on 1 of 1 tasks" in goals_summary(goals)
     lonely = goals_table(per_task[per_task["method"].isin(["ar", "eagle3"])])
