@@ -138,7 +138,7 @@ train-at-scale: $(STAMP)
 	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=sequential $(TRAIN_ARGS)
 	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp $(TRAIN_ARGS)
 	$(BIN)/bench train --method medusa $(SCALE_DATA) --option num_heads=5 $(TRAIN_ARGS)
-	$(BIN)/bench train --method sps --option self_distill=true --epochs 2 $(TRAIN_ARGS)
+	$(BIN)/bench train --method sps $(SCALE_DATA) --max-len 512 $(TRAIN_ARGS)
 	for m in eagle3 dflash dspark eagle mtp medusa sps; do $(BIN)/bench ship --method $$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -175,6 +176,33 @@ def test_sps_training_measures_held_out_chain_agreement(tiny_target, sharegpt, t
     assert heldout["held_out"] == "the first 1 conversations" and heldout["positions"] > 0
     assert heldout["top1_by_position"] == [1.0, 1.0, 1.0] and heldout["predicted_tau"] == 4.0
     assert summary["steps"] == 1
+
+
+def test_cached_teacher_matches_the_online_one(tiny_target, sharegpt, tmp_path, monkeypatch):
+    """`feature_tokens`: the teacher's logits are the lm_head projection of the final states in
+    the shared feature cache, no target pass: the online teacher's logits up to the states'
+    bf16 rounding, on the same conversations; training and the held-out evaluation run on it."""
+    from bench.core.training.draft_lm import CachedExamples, DraftLMSettings
+    from bench.core.training.features import FeatureData, ensure_features
+
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    cached = train_draft_lm(tiny_target, _settings(tmp_path / "cached", sharegpt, max_steps=2,
+                                                   options=dict(FP32, feature_tokens=10_000)))
+    assert cached["steps"] == 2 and all(row["kl"] > 0 for row in loop_module.read_log(tmp_path / "cached"))
+    manifest = json.loads((tmp_path / "cached" / "drafter.json").read_text())
+    assert manifest["heldout"]["positions"] > 0
+    store = ensure_features(tiny_target, (tiny_target.config.num_hidden_layers,),
+                            FeatureData(max_tokens=10_000, max_len=64, data_path=str(sharegpt)), progress=False)
+    examples = CachedExamples(store, tiny_target.config.num_hidden_layers)
+    online = DraftDistillation(tiny_target, DraftLMSettings(**FP32), "cpu")
+    teacher = DraftDistillation(tiny_target, DraftLMSettings(**FP32, feature_tokens=10_000), "cpu")
+    assert teacher.teacher is None  # no target engine: one lm_head product per row
+    for i in range(len(examples)):
+        example = examples.get(i)
+        rows = example.loss_mask.nonzero().squeeze(-1)
+        want = online.teacher_logits(dataclasses.replace(example, states=None), example.tokens, rows)
+        got = teacher.teacher_logits(example, example.tokens, rows)
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
 def _draft_settings():

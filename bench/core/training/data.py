@@ -72,6 +72,7 @@ def read_sharegpt(path: Path | None = None) -> list[list[dict]]:
 class Example:
     tokens: Tensor  # [n] long
     loss_mask: Tensor  # [n] bool: position i predicts tokens[i+1], an assistant-reply token
+    states: Tensor | None = None  # [n, d]: the target's final normed states, read from a feature cache
 
 
 def format_conversation(tokenizer, messages: list[dict], max_len: int) -> Example | None:

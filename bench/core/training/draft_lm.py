@@ -3,8 +3,10 @@
 The draft is the target's architecture with a few decoder layers. It shares the
 target's embedding and lm_head (frozen, not stored), so only its layers and final norm
 are trained and shipped. Loss: forward KL(p_target || q_draft) at every position whose
-next token belongs to an assistant reply, with teacher forcing on ShareGPT text; the
-target's logits are computed on the fly with the compact engine (no grad).
+next token belongs to an assistant reply, with teacher forcing on ShareGPT text or the
+target's own replies. The target's logits are computed on the fly with the compact engine
+(no grad), or, with `feature_tokens`, projected from the final states the shared feature
+cache holds (bench.core.training.features): one lm_head product instead of a target pass.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class DraftLMSettings:
     ce_weight: float = 0.0  # extra CE on the data's next token (0 = pure distillation)
     self_distill: bool = False  # train on the target's own greedy replies (`bench distill`) instead of ShareGPT's
     distilled: str | None = None  # self_distill: that data's folder (default: the target's largest)
+    feature_tokens: int = 0  # > 0: the teacher's logits from the feature cache's final states (that many tokens)
     heldout: int = 16  # the first conversations (at most an eighth of the data), never trained on
     heldout_depth: int = 3  # draft positions the held-out agreement is measured at (sps drafts gamma 3)
     extra: dict = field(default_factory=dict)
@@ -88,8 +91,11 @@ class DraftDistillation:
         self.settings = settings
         self.device = torch.device(device)
         target_state = load_state_dict(target.path)
-        self.teacher = Engine(target.config, target_state, device=self.device,
-                              dtype=parse_dtype(settings.teacher_dtype))
+        # Online: the target runs on every example. Cached: its final states come with the example.
+        self.teacher = None if settings.feature_tokens else Engine(target.config, target_state, device=self.device,
+                                                                   dtype=parse_dtype(settings.teacher_dtype))
+        head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])  # tied: the embedding
+        self.lm_head = head.to(self.device, torch.float32) if settings.feature_tokens else None
         self.config = draft_config(target.config, settings.num_layers)
         self.student = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32).to(self.device)
         student_state = self.student.state_dict()
@@ -115,6 +121,13 @@ class DraftDistillation:
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in self.student.named_parameters() if p.requires_grad]
 
+    def teacher_logits(self, ex: Example, tokens: Tensor, rows: Tensor) -> Tensor:
+        if ex.states is not None:
+            return F.linear(ex.states[rows.cpu()].to(self.device, torch.float32), self.lm_head)
+        if self.teacher is None:
+            raise BenchError("a cached-teacher run got an example without the target's states")
+        return self.teacher.prefill(tokens, logits_rows=rows).logits.float()
+
     def loss(self, batch: list[Example]) -> tuple[Tensor, dict[str, float]]:
         total = sum(int(ex.loss_mask.sum()) for ex in batch)
         loss = torch.zeros((), device=self.device)
@@ -123,7 +136,7 @@ class DraftDistillation:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
             with torch.no_grad():
-                teacher = self.teacher.prefill(tokens, logits_rows=rows).logits.float()
+                teacher = self.teacher_logits(ex, tokens, rows)
                 log_p = teacher.log_softmax(-1)
                 p = log_p.exp()
             with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
@@ -153,7 +166,7 @@ class DraftDistillation:
         for ex in examples:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
-            teacher = self.teacher.prefill(tokens, logits_rows=rows).logits.argmax(-1)
+            teacher = self.teacher_logits(ex, tokens, rows).argmax(-1)
             with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                                 enabled=self.autocast is not None):
                 hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
@@ -170,6 +183,24 @@ class DraftDistillation:
         config.pop("transformers_version", None)
         write_drafter(folder, weights, dict(manifest, format=FORMAT, architecture=config, shared=list(SHARED),
                                             draft_settings=asdict(self.settings)))
+
+
+class CachedExamples:
+    """The feature cache's conversations as examples (ShareGPTExamples' interface: example i
+    wraps around), each with the target's final normed states, mapped from disk."""
+
+    def __init__(self, store, tap: int) -> None:
+        tensors = store.load((tap,))
+        self.tokens, self.mask, self.offsets = tensors["tokens"], tensors["loss_mask"], tensors["offsets"].tolist()
+        self.states = tensors[f"h{tap}"]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def get(self, index: int) -> Example | None:
+        start, end = self.offsets[index % len(self)], self.offsets[index % len(self) + 1]
+        mask = self.mask[start:end]
+        return Example(self.tokens[start:end], mask, self.states[start:end]) if mask.any() else None
 
 
 # ----------------------------------------------------------------------- driver
@@ -191,7 +222,17 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
     draft_settings = DraftLMSettings(**settings.options)
     torch.manual_seed(settings.seed)  # the student's random init (init=random)
     objective = DraftDistillation(target, draft_settings, settings.device, settings.bf16_autocast())
-    if draft_settings.self_distill:
+    if draft_settings.feature_tokens:  # the target's states from the shared cache (one extraction for all)
+        from bench.core.training.features import FeatureData, ensure_features
+
+        features = FeatureData(max_tokens=draft_settings.feature_tokens, max_len=settings.max_len, seed=settings.seed,
+                               self_distill=draft_settings.self_distill, distilled=draft_settings.distilled,
+                               data_path=str(settings.data_path) if settings.data_path else None)
+        tap = target.config.num_hidden_layers
+        store = ensure_features(target, (tap,), features, progress=settings.progress)
+        draft_settings = replace(draft_settings, distilled=store.index["data"].get("distilled"))
+        data = CachedExamples(store, tap)
+    elif draft_settings.self_distill:
         from bench.core.training.distill import DistilledExamples
         from bench.core.training.features import FeatureData, with_distilled_folder
 
