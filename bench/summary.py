@@ -13,7 +13,7 @@ import click
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, pool_repeats, read_run, split_repeat
+from bench.records import BASELINE, Problem, parse_tag, pool_repeats, read_run
 from bench.tables import RESULTS_README, contended_turns, update_readme
 
 
@@ -25,11 +25,11 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
         if not task_dir.is_dir() or task_dir.name == "peers":
             continue
         files = series_files(task_dir, tag)
-        base = _turns(files.get(BASELINE, []))
-        for method, paths in sorted(files.items()):
+        for method, revisions in sorted(files.items()):
             if method == BASELINE:
                 continue
-            turns = _turns(paths)
+            newest = max(revisions)  # a method's newest revision, against the baseline of that revision
+            turns, base = _turns(revisions[newest]), _turns(files.get(BASELINE, {}).get(newest, []))
             if not turns:  # every file left out: the warnings say why
                 continue
             row = metrics.summarize(turns, base)
@@ -42,14 +42,15 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
     return rows
 
 
-def series_files(task_dir: Path, tag: str | None) -> dict[str, list[tuple[int, Path]]]:
-    """{method: [(repeat, record file)]} of one series in a task folder, its repeats included."""
-    found: dict[str, list[tuple[int, Path]]] = {}
+def series_files(task_dir: Path, tag: str | None) -> dict[str, dict[int, list[tuple[int, Path]]]]:
+    """{method: {revision: [(repeat, record file)]}} of one series in a task folder: its
+    revisions (`grid.r2`, bench.grid) and their repeats."""
+    found: dict[str, dict[int, list[tuple[int, Path]]]] = {}
     for path in sorted(task_dir.glob("*.jsonl")):
         method, _, file_tag = path.stem.partition("-")
-        series, repeat = split_repeat(file_tag)
+        series, revision, repeat = parse_tag(file_tag)
         if series == (tag or ""):
-            found.setdefault(method, []).append((repeat, path))
+            found.setdefault(method, {}).setdefault(revision, []).append((repeat, path))
     return found
 
 

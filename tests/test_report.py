@@ -166,6 +166,12 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     assert (tmp_path / "out" / "tables" / "revisions.csv").read_text().count("\n") == 3
     assert "Before and after" in readme.read_text() and "| pld | grid.r2 |" in readme.read_text()
     assert "- every method 100% exact against AR: met on 1 of 1 tasks" in readme.read_text()
+    # python -m bench.summary reads each method's newest revision, against that revision's baseline.
+    from bench.summary import summary_rows
+
+    rows = {(r["task"], r["method"]): r for r in summary_rows(tmp_path, TARGET, "grid")}
+    assert rows[("gsm8k", "pld")]["speedup"] == pytest.approx(2.0) and rows[("gsm8k", "pld")]["turns"] == 1
+    assert rows[("mtbench", "pld")]["speedup"] == pytest.approx(2.0)  # still revision 1, its own baseline
 
 
 def test_table_writers(tmp_path):
