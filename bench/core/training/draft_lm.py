@@ -121,6 +121,11 @@ class DraftDistillation:
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in self.student.named_parameters() if p.requires_grad]
 
+    def student_logits(self, tokens: Tensor, rows: Tensor) -> Tensor:
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
+            return self.student.lm_head(hidden)
+
     def teacher_logits(self, ex: Example, tokens: Tensor, rows: Tensor) -> Tensor:
         if ex.states is not None:
             return F.linear(ex.states[rows.cpu()].to(self.device, torch.float32), self.lm_head)
@@ -139,11 +144,7 @@ class DraftDistillation:
                 teacher = self.teacher_logits(ex, tokens, rows)
                 log_p = teacher.log_softmax(-1)
                 p = log_p.exp()
-            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
-                hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
-                logits = self.student.lm_head(hidden)
-            log_q = logits.float().log_softmax(-1)
+            log_q = self.student_logits(tokens, rows).float().log_softmax(-1)
             kl = (p * (log_p - log_q)).sum()
             ce = F.nll_loss(log_q, tokens[rows + 1], reduction="sum")
             loss = loss + (kl + self.settings.ce_weight * ce) / total
@@ -167,10 +168,7 @@ class DraftDistillation:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
             teacher = self.teacher_logits(ex, tokens, rows).argmax(-1)
-            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
-                hidden = self.student.model(input_ids=tokens[None]).last_hidden_state[0, rows]
-                student = self.student.lm_head(hidden).argmax(-1)
+            student = self.student_logits(tokens, rows).argmax(-1)
             for i, (yes, tried) in enumerate(chain_counts((student == teacher).tolist(), rows.tolist(), depth)):
                 agreed[i] += yes
                 reached[i] += tried
