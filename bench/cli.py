@@ -9,6 +9,7 @@ import sys
 import click
 
 from bench.core.errors import BenchError
+from bench.tune import CANDIDATES
 
 
 class _Group(click.Group):
@@ -84,8 +85,9 @@ def _parse_options(pairs: tuple[str, ...]) -> dict:
 @click.option("--no-baseline", is_flag=True, help="do not run the AR baseline alongside")
 @click.option("--strict", is_flag=True, help="exit 1 if a greedy turn differs from the baseline")
 @click.option("--option", "options", multiple=True, help="method option key=value (repeatable)")
-@click.option("--budget", type=click.IntRange(min=1), default=None,
-              help="draft tokens verified per round (root excluded), mapped to the method's own knobs")
+@click.option("--budget", default=None,
+              help="draft tokens verified per round (root excluded), mapped to the method's own knobs; "
+                   "auto: the budget `bench tune` measured fastest on this machine")
 @click.option("--drafter", default=None, help="trained drafter folder (default: user-trained, then shipped)")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="whole interleaved passes (method and baseline again); pass k > 1 is tag <tag>.rep<k>, "
@@ -99,7 +101,9 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
     """Decode a task suite with one method; write records; print tau, a_i, speedup."""
     from bench.run import RunSettings, format_summary
     from bench.run import run as run_task
+    from bench.tune import parse_budget
 
+    budget = parse_budget(budget)
     settings = RunSettings(
         method=method, task=task, target=target, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype,
@@ -363,6 +367,50 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
             raise BenchError(f"cannot write the profile to {path}: {exc.strerror}") from None
     click.echo(format_profile(result))
     click.echo(f"profile: {kept} (and {cached}, which methods read)")
+
+
+@main.command()
+@click.option("--method", "methods", multiple=True,
+              help="method to tune (repeatable; default: every lossless drafting method)")
+@click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
+@click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto: bfloat16 where bf16 is native, float32 elsewhere (as bench run)")
+@click.option("--budgets", default=",".join(map(str, CANDIDATES)), show_default=True,
+              help="candidate budgets (besides each method's own defaults)")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=4, show_default=True,
+              help="held-back ShareGPT prompts to time on")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True)
+@click.option("--data-dir", default=None, help="where the evaluation suites are (for the overlap filter)")
+@click.option("--results-dir", default="results", show_default=True)
+def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, data_dir, results_dir) -> None:
+    """Measure each method's fastest draft budget on this machine (greedy, interleaved with
+    AR, on ShareGPT prompts no drafter trained on); `--budget auto` runs at it."""
+    from bench.core.target import chat_prompt, default_device, load_target, resolve_dtype
+    from bench.core.training.distill import tuning_prompts
+    from bench.grid import grid_methods
+    from bench.registry import get_method
+    from bench.run import check_device
+    from bench.tune import tune as tune_methods
+    from tasks import TASKS, load_task
+
+    try:
+        candidates = tuple(sorted({int(x) for x in budgets.split(",") if x.strip()}))
+    except ValueError:
+        raise BenchError(f"--budgets takes comma-separated integers, not '{budgets}'") from None
+    if not candidates or candidates[0] < 1:
+        raise BenchError(f"--budgets takes integers >= 1, not '{budgets}'")
+    names = [get_method(m).name for m in methods] or grid_methods()
+    check_device(device)
+    device = device or default_device()
+    loaded = load_target(target, device, resolve_dtype(dtype, device))
+    questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
+    prompts = [p for p in (chat_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
+                           for text in tuning_prompts(questions)) if len(p) <= 512][:prompt_count]
+    if len(prompts) < prompt_count:
+        raise BenchError(f"only {len(prompts)} held-back ShareGPT prompts fit (asked for {prompt_count})")
+    path = tune_methods(loaded, names, prompts, results_dir, candidates, max_new_tokens, echo=click.echo)
+    click.echo(f"tuning: {path}")
 
 
 @main.command()

@@ -37,6 +37,7 @@ import click
 
 from bench.core.errors import BenchError
 from bench.records import BASELINE, RunFile, check_tag, records_path, revision_tag
+from bench.tune import AUTO, check_tuned_drafter, parse_budget, tuned_budget
 
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
 DEFAULT_PLAN: dict[str, dict] = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10},
@@ -134,11 +135,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "auto", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
-             budget: int | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None,
+             budget: int | str | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None,
              temperature: float = 0.0) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
     `temperature`: every cell's sampling temperature (0: greedy; seeds per turn, as bench run).
-    `budget`: every method's --budget (draft tokens verified per round). `ray`: a Ray cluster's
+    `budget`: every method's --budget (draft tokens verified per round; "auto": each method's own,
+    from this machine's `bench tune` record). `ray`: a Ray cluster's
     address (or auto) to run the cells on, `ray_cpus_per_cell` cores each on CPU (bench.grid_ray)."""
     from bench.core.provenance import git_sha
     from bench.core.target import load_target
@@ -146,8 +148,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     from bench.run import RunSettings, check_device, record_settings, run
     from tasks import load_task, task_name
 
-    for method in methods:
-        resolve_options(method, {}, budget)  # a typo, or a budget a method cannot take, fails before anything loads
+    for method in methods:  # a typo, or a budget a method cannot take, fails before anything loads
+        resolve_options(method, {}, 1 if budget == AUTO else budget)
     check_device(device)
     if ray:
         from bench.grid_ray import CellJob, RayCells, check_address
@@ -158,6 +160,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     dtype = resolve_dtype(dtype, device or default_device())  # the grid's settings keep what ran
     target = load_target(target_spec, device, dtype)
     base_decoder = build_decoder(BASELINE, target)
+    budgets: dict[str, tuple[int | None, dict | None]] = {}  # method: (its budget, the tuning entry for auto)
+    for method in methods:
+        try:
+            budgets[method] = tuned_budget(results_dir, target, method) if budget == AUTO else (budget, None)
+        except BenchError as exc:  # not tuned here: its cells say so, the others run
+            budgets[method] = (None, {"error": str(exc)})
     manifest_path = Path(results_dir) / target.name / f"grid-{tag}.json"
     cells: list[Cell] = []
     manifest = {"tag": tag, "target": target.name, "plan": plan, "max_new_tokens": max_new_tokens,
@@ -195,12 +203,18 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
         for method in methods:
             cell = Cell(name, method, expected_turns=len(keys), repeat=repeat)
             cells.append(cell)
+            own_budget, tuned = budgets[method]
             settings = RunSettings(method=method, task=task, target=target_spec, max_new_tokens=max_new_tokens,
                                    device=device, dtype=dtype, limit=selection.get("limit"),
                                    per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
-                                   results_dir=results_dir, repeat=repeat, budget=budget, temperature=temperature)
+                                   results_dir=results_dir, repeat=repeat, budget=own_budget,
+                                   budget_from=tuned.get("file") if tuned else None, temperature=temperature)
             try:
-                decoder = build_decoder(method, target, resolve_options(method, settings.method_options, budget))
+                if tuned and "error" in tuned:
+                    raise BenchError(tuned["error"])
+                decoder = build_decoder(method, target, resolve_options(method, settings.method_options, own_budget))
+                if tuned:
+                    check_tuned_drafter(tuned, decoder, method)
             except BenchError as exc:  # e.g. no trained drafter for this target
                 cell.status = f"not run: {exc}"
                 echo(f"[grid] {method} on {name}: {cell.status}")
@@ -284,8 +298,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="whole passes of the grid (pass k > 1: tag <tag>.rep<k>); speedups get their spread over passes")
 @click.option("--remeasure-contended", is_flag=True,
               help="set aside a method's records with turns that shared the CPU with another job, and run it again")
-@click.option("--budget", type=click.IntRange(min=1), default=None,
-              help="every method's draft tokens verified per round (bench run --budget); use its own --tag")
+@click.option("--budget", default=None,
+              help="every method's draft tokens verified per round (bench run --budget; use its own --tag), "
+                   "or auto: each method's fastest on this machine (`bench tune`; default tag <grid>-auto)")
 @click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS",
               help="run the cells as tasks on this Ray cluster (auto: the one `ray start` started here); "
                    "their records come back here")
@@ -304,7 +319,9 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         if unknown:
             raise BenchError(f"unknown grid task {', '.join(unknown)} (choose from {', '.join(plan)})")
         plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
-        tag = tag or ("full" if full else "grid") + (f"-t{temperature:g}" if temperature else "")
+        budget = parse_budget(budget)
+        tag = tag or ("full" if full else "grid") + (f"-t{temperature:g}" if temperature else "") + (
+            f"-{AUTO}" if budget == AUTO else "")
         cells = run_grid(plan, list(methods) or grid_methods(), tag, results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),

@@ -27,6 +27,7 @@ from bench.core.sampling import SamplingConfig
 from bench.core.target import chat_prompt
 from bench.monitor import UtilizationMonitor
 from bench.records import BASELINE, RunFile, check_tag, lock_unfinished, records_path, repeat_tag
+from bench.tune import AUTO, check_tuned_drafter, tuned_budget
 from tasks import Question, load_task, task_name
 
 
@@ -50,7 +51,8 @@ class RunSettings:
     results_dir: str = "results"
     baseline: bool = True
     method_options: dict = field(default_factory=dict)
-    budget: int | None = None  # --budget: draft tokens verified per round (root excluded), for the method only
+    budget: int | str | None = None  # --budget: draft tokens verified per round (root excluded), or "auto"
+    budget_from: str | None = None  # the tuning record an "auto" budget was read from (bench.tune)
     repeat: int = 1  # which pass of the series this is (1-based); k > 1 goes to tag `<tag>.rep<k>`
     batch_size: int = 1  # requests decoding at once (bench.core.decode.decode_batch); 1: one at a time
 
@@ -209,6 +211,7 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
         "device": target.engine.device.type, "dtype": settings.dtype,
         "method_options": recorded_options(method, settings.method_options, settings.budget) if own else {},
         **({"budget": settings.budget} if own and settings.budget is not None else {}),
+        **({"budget_from": settings.budget_from} if own and settings.budget_from else {}),
         **({"batch_size": settings.batch_size} if settings.batch_size > 1 else {}),
         "lossless": decoder.lossless,
         # Which trained drafter produced the records (methods that load one expose `info`).
@@ -275,7 +278,7 @@ def _run_pass(settings: RunSettings) -> dict[str, tuple[list[dict], str]]:
     from bench.registry import resolve_options
 
     # Fail fast on a typo, a bad option or budget, before loading anything.
-    resolve_options(settings.method, settings.method_options, settings.budget)
+    resolve_options(settings.method, settings.method_options, 1 if settings.budget == AUTO else settings.budget)
     check_device(settings.device)
     check_sampling(settings.sampling)
     check_tag(settings.tag)
@@ -307,6 +310,10 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
     from bench.registry import build_decoder, resolve_options
 
     target = load_target(settings.target, settings.device, settings.dtype)
+    tuned = None
+    if settings.budget == AUTO:
+        budget, tuned = tuned_budget(settings.results_dir, target, settings.method)
+        settings = replace(settings, budget=budget, budget_from=tuned["file"])
     config = DecodeConfig(max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                           eos_token_ids=tuple(target.eos_token_ids))
     results_dir, task = Path(settings.results_dir), task_name(settings.task)
@@ -319,7 +326,10 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
                                            content=(recorded or {}).get(name, b"")))
 
     options = resolve_options(settings.method, settings.method_options, settings.budget)
-    method_side = open_side(settings.method, build_decoder(settings.method, target, options))
+    method_decoder = build_decoder(settings.method, target, options)
+    if tuned is not None:
+        check_tuned_drafter(tuned, method_decoder, settings.method)
+    method_side = open_side(settings.method, method_decoder)
     baseline_side = None
     if settings.baseline and settings.method != BASELINE:
         baseline_side = open_side(BASELINE, build_decoder(BASELINE, target))

@@ -51,6 +51,14 @@ from bench.core.target import chat_prompt, resolve_dtype
 
 FORMAT = "spec-bench-distill/1"
 NGRAM = 13  # word n-gram of the overlap test (the GPT-3 contamination analysis uses 13)
+# The last usable conversations (in the seeded order) are never distilled: `bench tune` times
+# the methods on their first user turns, prompts no drafter was trained on.
+TUNING_HOLDOUT = 32
+
+
+def tuning_holdout(usable: int) -> int:
+    """How many conversations are held back for tuning: none from a small dataset."""
+    return TUNING_HOLDOUT if usable > 4 * TUNING_HOLDOUT else 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,13 @@ def usable_conversations(seed: int, overlap: OverlapFilter | None, path: Path | 
     report = {"conversations": len(conversations), "usable": len(kept), "dropped_for_overlap": dropped,
               "ngram": NGRAM}
     return kept, report
+
+
+def tuning_prompts(eval_questions: dict[str, list[str]], path: Path | None = None, seed: int = 0) -> list[str]:
+    """The first user turns of the conversations distillation holds back (tuning_holdout),
+    for `bench tune`; none from a small dataset."""
+    items, _ = usable_conversations(seed, OverlapFilter(eval_questions), path)
+    return [item["users"][0] for item in items[len(items) - tuning_holdout(len(items)):]]
 
 
 # ------------------------------------------------------------------ generation
@@ -372,6 +387,7 @@ def distill(target, settings: DistillSettings, eval_questions: dict[str, list[st
     t0 = time.perf_counter()
     items, report = usable_conversations(settings.seed, OverlapFilter(eval_questions),
                                          Path(settings.data_path) if settings.data_path else None)
+    items = items[:len(items) - tuning_holdout(len(items))]  # the last shard (unfinished before) ends earlier
     for number, item in enumerate(items):
         item["index"] = number
     if index is None:
