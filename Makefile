@@ -44,17 +44,22 @@ report: $(STAMP)
 # report, README.md's headline table and results/README.md's tables. Default: a sample of each
 # suite (bench/grid.py states the sizes, a few hours on 2 CPU cores); FULL=1: every question,
 # 256 new tokens, tag `full`; REPEATS=N: N whole passes (pass k > 1 under tag `grid.rep<k>`), so
-# each speedup has its spread over passes. Then the sampled series: every method at temperature 1
-# (tag `grid-t1`, report in plots/sampled/), and the load sweep (make load-sweep, tags load<B>), drawn in
-# plots/report.html beside the grid (--load-tag).
+# each speedup has its spread over passes. Then `bench tune` (each method's fastest draft budget on
+# this machine, on held-back ShareGPT prompts; idempotent) and the grid again at those budgets (tag
+# `grid-auto`, beside the grid in the report: --tuned-tag); the sampled series: every method at
+# temperature 1 (tag `grid-t1`, report in plots/sampled/), and the load sweep (make load-sweep, tags
+# load<B>), drawn in plots/report.html beside the grid (--load-tag).
 GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 REPEATS ?= 1
 all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --repeats $(REPEATS)
+	$(BIN)/bench tune
+	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --budget auto   # tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --temperature 1   # the sampled series, tag $(GRID_TAG)-t1
 	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(MAKE) load-sweep
-	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b))
+	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
+	  --tuned-tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
 # Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16

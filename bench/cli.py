@@ -383,7 +383,9 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True)
 @click.option("--data-dir", default=None, help="where the evaluation suites are (for the overlap filter)")
 @click.option("--results-dir", default="results", show_default=True)
-def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, data_dir, results_dir) -> None:
+@click.option("--retune", is_flag=True, help="measure again methods already tuned here with the same drafter")
+def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, data_dir, results_dir,
+         retune) -> None:
     """Measure each method's fastest draft budget on this machine (greedy, interleaved with
     AR, on ShareGPT prompts no drafter trained on); `--budget auto` runs at it."""
     from bench.core.target import chat_prompt, default_device, load_target, resolve_dtype
@@ -409,7 +411,8 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
                            for text in tuning_prompts(questions)) if len(p) <= 512][:prompt_count]
     if len(prompts) < prompt_count:
         raise BenchError(f"only {len(prompts)} held-back ShareGPT prompts fit (asked for {prompt_count})")
-    path = tune_methods(loaded, names, prompts, results_dir, candidates, max_new_tokens, echo=click.echo)
+    path = tune_methods(loaded, names, prompts, results_dir, candidates, max_new_tokens, echo=click.echo,
+                        retune=retune)
     click.echo(f"tuning: {path}")
 
 
@@ -425,7 +428,10 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
 @click.option("--load-tag", "load_tags", multiple=True,
               help="a load sweep's series (make load-sweep: load1, load2, ...) drawn in the load figure only, "
                    "beside the selection's tables (repeatable)")
-def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tags) -> None:
+@click.option("--tuned-tag", "tuned_tags", multiple=True,
+              help="the grid at each method's tuned budget (python -m bench.grid --budget auto: grid-auto), "
+                   "shown beside the selection and in the speedup goals (repeatable)")
+def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tags, tuned_tags) -> None:
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path
 
@@ -433,7 +439,7 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tag
     from bench.tables import display_table, to_markdown
 
     result = make_report(Path(results_dir), Path(out_dir), targets, tasks, methods, tags,
-                         Path("README.md") if readme else None, load_tags=load_tags)
+                         Path("README.md") if readme else None, load_tags=load_tags, tuned_tags=tuned_tags)
     click.echo(to_markdown(display_table(result["tables"].overall)))
     for problem in result["problems"]:
         click.echo(f"{problem.kind}: {problem.where}: {problem.detail}", err=True)

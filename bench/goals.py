@@ -106,10 +106,12 @@ def _heldout_top1(folder: str) -> float | None:
     return float(agreement[0]) if agreement else None
 
 
-def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None) -> pd.DataFrame:
+def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
+                tuned: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per goal and task: the measured value, met or missed (by how much), and for a
     missed τ goal what the scaling fit says more data would do. One series per table: the
-    caller selects it (the newest revision of the grid)."""
+    caller selects it (the newest revision of the grid). `tuned`: the per-task table of the
+    grid run at each method's tuned budget (`--budget auto`), whose speedups are checked too."""
     if per_task.empty:
         return pd.DataFrame()
     rows = []
@@ -158,13 +160,17 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None) -> pd.D
             add(" > ".join(f"{m} τ" for m in TAU_ORDER), task, " / ".join(f"{t:.2f}" for t in taus),
                 all(a > b for a, b in zip(taus, taus[1:])))
     for method in SPEEDUP_ABOVE_ONE:
-        for task in tasks:
-            cell = _cell(per_task, method, task)
-            if cell is None or pd.isna(cell.get("speedup")):
-                add(f"{method} speedup > 1", task, "-", None)
+        for series, where, label in ((per_task, "", ""), (tuned, " at its tuned budget", "budget ")):
+            if series is None or series.empty:
                 continue
-            add(f"{method} speedup > 1", task, f"{cell['speedup']:.2f}x", cell["speedup"] > 1.0,
-                "" if cell["speedup"] > 1.0 else f"{1 / cell['speedup']:.2f}x slower than AR")
+            for task in tasks:
+                cell = _cell(series, method, task)
+                if cell is None or pd.isna(cell.get("speedup")):
+                    add(f"{method} speedup > 1{where}", task, "-", None)
+                    continue
+                budget = f" ({label}{int(cell['budget'])})" if label and not pd.isna(cell.get("budget")) else ""
+                add(f"{method} speedup > 1{where}", task, f"{cell['speedup']:.2f}x{budget}", cell["speedup"] > 1.0,
+                    "" if cell["speedup"] > 1.0 else f"{1 / cell['speedup']:.2f}x slower than AR")
     methods = per_task[per_task["method"].ne(BASELINE) & per_task["match_rate"].notna()]
     for task, group in methods.groupby("task"):  # a divergence at a near-tie of the top-2 logits is told apart
         inexact, ties = group[group["mismatches"] > 0], group[group["near_ties"] > 0]

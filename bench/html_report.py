@@ -149,12 +149,17 @@ def _goals(goals: pd.DataFrame) -> str:
 
 
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
-           references: list[dict] | None = None, goals: pd.DataFrame | None = None) -> str:
+           references: list[dict] | None = None, goals: pd.DataFrame | None = None,
+           tuned: pd.DataFrame | None = None) -> str:
     references = load_references() if references is None else references
     sizes = ", ".join(f"{task}: {n} turns" for task, n in tables.per_task[tables.per_task["method"] == "ar"]
                       .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
     sections = [
         ("overall", "Overall (all selected tasks pooled)", _table(display_table(tables.overall))),
+        *([("tuned", "At each method's tuned budget (bench tune, --budget auto)",
+            '<p class="note">The same suites, each method at the draft budget it ran fastest at on this machine '
+            "(held-back ShareGPT prompts, interleaved with AR); \"at its defaults\" is the table above.</p>"
+            + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (the grid's series)", _goals(goals))] if goals is not None and not goals.empty else []),
         ("figures", "Figures", _figures(figures)),
         ("tasks", "Per task", _table(display_table(tables.per_task))),

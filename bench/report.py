@@ -33,10 +33,11 @@ from bench.tables import (
     update_readmes,
     write_tables,
 )
+from bench.tune import tuned_overview
 
 
 def readme_blocks(tables: Tables, records: Records, command: str,
-                  goals: pd.DataFrame | None = None) -> dict[str, str]:
+                  goals: pd.DataFrame | None = None, tuned: pd.DataFrame | None = None) -> dict[str, str]:
     """What `bench report --readme` writes between markers: `report` (the headline, README.md)
     and `references` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
@@ -55,6 +56,10 @@ def readme_blocks(tables: Tables, records: Records, command: str,
             "per-question tok/s over the same turns (bench/specbench.py). "
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\".")
     refs = references_table(load_references())
+    if tuned is not None and not tuned.empty:
+        note += ("\n\nAt each method's tuned budget (`bench tune` on this machine, then `python -m bench.grid "
+                 "--budget auto`: the same suites, each method at the draft budget it ran fastest at on held-back "
+                 "ShareGPT prompts; \"at its defaults\" is the table above):\n\n" + to_markdown(tuned))
     earlier = display_revisions(revisions_table(records, "overall"))
     if not earlier.empty:  # a retrained drafter's numbers beside the ones it replaced
         note += ("\n\nBefore and after: every method with an earlier revision of its records (a retrained "
@@ -81,15 +86,17 @@ def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
     return scaling_fit(scaling_rows(summarize(records, "task")))
 
 
-def goals_of(tables: Tables, results_dir: Path) -> pd.DataFrame | None:
-    """The goals table (bench.goals) of the grid's series in the selection; None without one."""
+def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None) -> pd.DataFrame | None:
+    """The goals table (bench.goals) of the grid's series in the selection, with the speedups
+    of the tuned series (`tuned`, --tuned-tag) checked too; None without a grid series."""
     per_task = tables.per_task
     if per_task.empty:
         return None
     series = [s for s in GOAL_SERIES if s in set(per_task["series"])]
     if not series:
         return None
-    return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir))
+    return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir),
+                       tuned.per_task if tuned is not None else None)
 
 
 DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
@@ -126,12 +133,20 @@ def drafters_table() -> str:
 
 def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tasks: tuple[str, ...] = (),
                 methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None,
-                results_readme: Path | None = None, load_tags: tuple[str, ...] = ()) -> dict:
+                results_readme: Path | None = None, load_tags: tuple[str, ...] = (),
+                tuned_tags: tuple[str, ...] = ()) -> dict:
     """Tables, figures and report.html under `out`. With `readme`, also its headline block, and
     the other blocks into `results_readme` (default: results/README.md beside `readme`).
-    `load_tags`: a load sweep's series, drawn in the load figure only (not in the tables)."""
+    `load_tags`: a load sweep's series, drawn in the load figure only (not in the tables).
+    `tuned_tags`: the grid at each method's tuned budget (bench.tune), shown beside the grid."""
     records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tags or None)
     tables = build_tables(records)
+    tuned = tuned_view = None
+    if tuned_tags:
+        tuned_records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tuned_tags)
+        tuned = build_tables(tuned_records)
+        tuned_view = tuned_overview(tuned.overall, tables.overall)
+        records.problems.extend(tuned_records.problems)
     load = None
     if load_tags:
         load_records_ = load_records(Path(results_dir), targets or None, tasks or None, methods or None, load_tags)
@@ -142,6 +157,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
                  "method": list(methods) or "all", "tag": list(tags) or "all"}
     if load_tags:
         selection["load figure"] = list(load_tags)
+    if tuned_tags:
+        selection["tuned budgets"] = list(tuned_tags)
     # Everything is written into a folder beside `out` first and moved in file by file once
     # whole, so a full disk or an unwritable folder leaves `out` as it was (and one line).
     stage = out.parent / f".{out.name}.partial"
@@ -157,11 +174,14 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
             csv_table(earlier).to_csv(written[-1], index=False)
         figures = make_figures(records, tables, stage, load)
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
-        goals = goals_of(tables, Path(results_dir))
+        goals = goals_of(tables, Path(results_dir), tuned)
         if goals is not None and not goals.empty:
             written.append(stage / "tables" / "goals.csv")
             goals.to_csv(written[-1], index=False)
-        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals))
+        if tuned is not None:
+            written.append(stage / "tables" / "tuned.csv")
+            csv_table(tuned.per_task).to_csv(written[-1], index=False)
+        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))
@@ -176,7 +196,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     if readme is not None:
         command = "bench report" + "".join(f" --{k} {v}" for k, values in (("target", targets), ("task", tasks),
                                            ("method", methods), ("tag", tags)) for v in values)
-        blocks = readme_blocks(tables, records, command, goals)
+        blocks = readme_blocks(tables, records, command, goals, tuned_view)
         results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
         top = {HEADLINE: blocks.pop(HEADLINE)}
         if f"<!-- {DRAFTERS}:start -->" in Path(readme).read_text(encoding="utf-8"):

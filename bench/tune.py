@@ -19,6 +19,7 @@ file `--budget auto` reads (a record of this machine, not a setting of the proje
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -164,36 +165,71 @@ def _add(total: dict, result, reference: list[int]) -> None:
 
 
 def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str | Path,
-         budgets: tuple[int, ...] = CANDIDATES, max_new_tokens: int = 96, echo=print) -> Path:
+         budgets: tuple[int, ...] = CANDIDATES, max_new_tokens: int = 96, echo=print, retune: bool = False) -> Path:
     """Tune each method and merge its entry into this machine's record; returns the path.
-    A method that cannot run here (no drafter) is reported and left out."""
+    Idempotent: a method already tuned here with the same drafter and settings is kept
+    (`retune` measures it again). A method that cannot run here (no drafter) is reported
+    and left out."""
     import torch
     from tqdm import tqdm
 
     from bench.core.provenance import provenance
+    from bench.registry import build_decoder
 
     path = tuning_path(results_dir, target)
     record = _read(path) or {}
     if record and record.get("fingerprint") != target.fingerprint:
         record = {}  # other weights: nothing of the old record applies
     entries = dict(record.get("methods", {}))
+    settings = {"budgets": list(budgets), "max_new_tokens": max_new_tokens,
+                "prompts": [hashlib.sha1(",".join(map(str, p)).encode()).hexdigest()[:12] for p in prompts]}
     for method in tqdm(methods, desc="tune", unit="method"):
         try:
+            previous = entries.get(method)
+            if (not retune and previous and previous.get("settings") == settings
+                    and previous.get("drafter_sha") == _drafter_sha(build_decoder(method, target, {}))):
+                echo(f"[tune] {method}: already tuned here with this drafter (--retune measures it again)")
+                continue
             started = time.perf_counter()
             entry = tune_method(target, method, prompts, budgets, max_new_tokens)
         except BenchError as exc:
             echo(f"[tune] {method}: not tuned: {exc}")
             continue
+        entry["settings"] = settings
         entry["minutes"] = round((time.perf_counter() - started) / 60, 2)
         entries[method] = entry
         best = "its defaults" if entry["best"] is None else f"budget {entry['best']}"
         echo(f"[tune] {method}: {best} ({entry['best_speedup']:.2f}x AR on the tuning prompts)")
         record = {"format": FORMAT, "target": target.name, "fingerprint": target.fingerprint,
                   "dtype": str(target.engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                  "max_new_tokens": max_new_tokens, "prompts": len(prompts), "budgets": list(budgets),
                   "provenance": provenance(str(target.engine.device)), "methods": entries}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         tmp.replace(path)  # after every method: an interrupted tuning keeps what it measured
     return path
+
+
+def tuned_overview(tuned, default):
+    """The tuned series beside the grid's, pooled over tasks (bench report --tuned-tag): per
+    method the budget it ran at, τ, speedup and exactness, and the speedup at its defaults.
+    `tuned`, `default`: the `overall` tables (bench.tables) of the two series."""
+    import math
+
+    import pandas as pd
+
+    from bench.records import BASELINE
+
+    if tuned.empty:
+        return pd.DataFrame()
+    at_defaults = {r.method: r.speedup for r in default.itertuples()} if not default.empty else {}
+    rows = []
+    for r in tuned[tuned["method"].ne(BASELINE)].sort_values("method").itertuples():
+        low, high = r.speedup_ci if isinstance(r.speedup_ci, (tuple, list)) else (math.nan, math.nan)
+        before = at_defaults.get(r.method, math.nan)
+        ci = ", ".join("-" if pd.isna(v) else f"{v:.2f}" for v in (low, high))
+        rows.append({"method": r.method, "budget": "-" if pd.isna(r.budget) else int(r.budget), "turns": int(r.turns),
+                     "τ": f"{r.tau:.2f}", "speedup [95% CI]": f"{r.speedup:.2f}x [{ci}]",
+                     "at its defaults": "-" if pd.isna(before) else f"{before:.2f}x",
+                     "exact match": "-" if pd.isna(r.match_rate) else f"{100 * r.match_rate:.0f}%"})
+    return pd.DataFrame(rows)

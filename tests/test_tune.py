@@ -17,7 +17,7 @@ from bench.core.training import distill as distill_module
 from bench.core.training.distill import TUNING_HOLDOUT, tuning_holdout, tuning_prompts, usable_conversations
 from bench.records import RunFile
 from bench.run import RunSettings, run
-from bench.tune import best_candidate, check_tuned_drafter, parse_budget, tune, tune_method, tuned_budget, tuning_path
+from bench.tune import best_candidate, check_tuned_drafter, parse_budget, tune, tuned_budget, tuning_path
 from tests.test_distill import _sharegpt
 
 
@@ -49,7 +49,7 @@ def test_distillation_never_generates_the_held_back_conversations(tmp_path, monk
     asked = []
 
     def fake_generate(batch, tokenizer, work, settings, eos, bar, finished, journal):
-        for k, items in work:
+        for _k, items in work:
             asked.extend(item["users"][0] for item in items)
         return iter(())
 
@@ -79,6 +79,10 @@ def test_tune_keeps_every_candidate_and_auto_runs_at_the_best(default_target, tm
     assert all(row["exact_prompts"] == 1 and row["tokens"] == entry["ar_tokens"] for row in entry["candidates"])
     assert entry["best"] == best_candidate(entry["candidates"])["budget"]
     assert tuned_budget(tmp_path, default_target, "pld") == (entry["best"], {**entry, "file": path.name})
+    said = []  # a second tuning with the same drafter and settings keeps the entry
+    tune(default_target, ["pld"], [_prompt(default_target)], tmp_path, budgets=(2, 3), max_new_tokens=12,
+         echo=said.append)
+    assert json.loads(path.read_text())["methods"]["pld"] == entry and "already tuned" in said[0]
 
     entry["best"] = 3  # whatever the timing said: auto runs what the record says
     path.write_text(json.dumps(record))
@@ -135,3 +139,29 @@ def test_the_grid_runs_each_method_at_its_tuned_budget(default_target, tmp_path,
     assert [(s.method, s.budget, s.budget_from) for s in ran] == [("pld", 5, path.name)]
     status = {c.method: c.status for c in cells}
     assert "tuned dflash with drafter old" in status["dflash"] and "no tuning of lookahead" in status["lookahead"]
+
+
+def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedups(tmp_path):
+    """A hand-made grid (eagle3 at its defaults, 0.5x AR) and grid-auto (eagle3 at budget 2,
+    AR 1.0 s against 0.8 s per turn: 1.25x): the tuned table, its goal rows and tables/tuned.csv."""
+    from bench.report import make_report
+    from tests.report_helpers import turn, write_run
+
+    results = tmp_path / "results"
+    for tag, decode, settings in (("grid", 1.9, {}), ("grid-auto", 0.7, {"budget": 2, "budget_from": "x.json",
+                                                                         "method_options": {"total_token": 3,
+                                                                                            "depth": 2}})):
+        write_run(results, "mtbench", "ar", tag, [turn("1"), turn("2")])
+        write_run(results, "mtbench", "eagle3", tag, [turn(q, decode=decode, exact=True, proposed=(2,) * 3,
+                                                           accepted=(2, 2, 2)) for q in ("1", "2")], **settings)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- report:start -->\n<!-- report:end -->\n", encoding="utf-8")
+    (results / "README.md").write_text("<!-- references:start -->\n<!-- references:end -->\n", encoding="utf-8")
+    result = make_report(results, tmp_path / "plots", tags=("grid",), tuned_tags=("grid-auto",), readme=readme)
+    text = readme.read_text(encoding="utf-8")
+    assert "At each method's tuned budget" in text
+    assert "| eagle3 | 2 | 2 | 3.00 | 1.25x [1.25, 1.25] | 0.50x | 100% |" in text
+    assert "- eagle3 speedup > 1 at its tuned budget: met on 1 of 1 tasks" in text
+    assert "- eagle3 speedup > 1: met on 0 of 1 tasks; missed on mtbench (0.50x)" in text
+    assert (tmp_path / "plots" / "tables" / "tuned.csv").exists()
+    assert "tuned budget" in result["html"].read_text(encoding="utf-8")
