@@ -344,6 +344,7 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
     assert len(accuracy) == 3 and all(len(row) == 10 and row == sorted(row) for row in accuracy)
     assert len(manifest["tree"]["paths"]) == 10 and manifest["training"]["steps"] == 4
     assert set(manifest["training"]["last_20_steps"]) >= {"loss", "kl", "acc_h0", "acc_h2"}
+    assert manifest["training"]["epochs"] > 0 and manifest["training"]["data"].startswith("ShareGPT V3 prompts")
     log = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == [1, 2, 3, 4] and all("acc_h1" in row for row in log)
 

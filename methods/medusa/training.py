@@ -240,7 +240,7 @@ def train_medusa(target, settings) -> dict:
     """`bench train --method medusa`: Medusa-1 heads on cached target features."""
     from bench.core.provenance import git_sha, timestamp
     from bench.core.training import heldout_prediction, loop
-    from bench.core.training.features import FeatureData, ensure_features
+    from bench.core.training.features import FeatureData, data_facts, ensure_features
 
     opts = _training_options(dict(settings.options))
     tap = target.engine.num_layers
@@ -298,6 +298,8 @@ def train_medusa(target, settings) -> dict:
                 "seed": settings.seed, "device": settings.device, "labels": opts.labels,
                 "head_decay": opts.head_decay, "features": str(store.folder), "feature_data": asdict(data),
                 "train_positions": int(len(features.train_anchors)),
+                **data_facts(store, opts.self_distill, step * settings.batch_size,
+                             max(1, len(features.train_anchors) // opts.window)),
                 "positions_seen": int(sum(r.get("tokens", 0) for r in rows)),
                 "last_20_steps": {key: round(sum(r.get(key, 0) for r in last) / max(1, len(last)), 4)
                                   for key in ["loss", "kl"] + [f"acc_h{i}" for i in range(opts.num_heads)]},

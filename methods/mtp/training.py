@@ -257,7 +257,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     checkpoint with its held-out agreement per step."""
     from bench.core.provenance import git_sha, timestamp
     from bench.core.training import heldout_prediction, loop
-    from bench.core.training.features import ensure_features
+    from bench.core.training.features import data_facts, ensure_features
 
     opts = MtpSettings.parse(dict(settings.options))
     num_layers = target.engine.num_layers
@@ -323,6 +323,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
                 "max_len": settings.max_len, "lr": settings.lr, "warmup_steps": settings.warmup_steps,
                 "seed": settings.seed, "device": settings.device, "features": str(store.folder),
                 "feature_data": asdict(data), "train_windows": len(train_windows),
+                **data_facts(store, opts.self_distill, step * settings.batch_size, len(train_windows)),
                 "heldout_conversations": held, "reply_rows_seen": int(sum(r.get("tokens", 0) for r in rows)),
                 "first_10_steps": {k: _mean(rows[:10], k) for k in keys},
                 "last_10_steps": {k: _mean(rows[-10:], k) for k in keys},
