@@ -400,6 +400,35 @@ def hardware_profile(profiles: list[dict], out: Path) -> Figured | Skipped:
                  "each drafter on one prompt." + (f" Not profiled: {'; '.join(skipped)}." if skipped else ""))
 
 
+def tuning_curves(tunings: list[dict], out: Path) -> Figured | Skipped:
+    name, title = "tune", "Speedup at each draft budget on held-back prompts (bench tune)"
+    if not tunings:
+        return Skipped(name, title, "no `bench tune` record for the selected targets")
+    tunings = tunings[:3]  # one panel per machine record; more is unreadable
+    fig = _figure(5.0 * len(tunings), 3.4)
+    with matplotlib.rc_context(RC):
+        for panel, tuning in enumerate(tunings, start=1):
+            ax = fig.add_subplot(1, len(tunings), panel)
+            budgets = sorted({row["budget"] for e in tuning["methods"].values() for row in e["candidates"]
+                              if row["budget"] is not None})
+            where = {None: 0, **{b: i + 1 for i, b in enumerate(budgets)}}
+            for method in _order(list(tuning["methods"])):
+                rows = tuning["methods"][method]["candidates"]
+                sized = sorted((r for r in rows if r["budget"] is not None), key=lambda r: r["budget"])
+                ax.plot([where[r["budget"]] for r in sized], [r["speedup"] for r in sized], "-o", markersize=3,
+                        color=_color(method), label=method)
+                ax.plot([0], [r["speedup"] for r in rows if r["budget"] is None][:1], "x", color=_color(method))
+            ax.axhline(1.0, color="black", linewidth=0.6)
+            ax.set_xticks(range(len(where)), ["defaults", *map(str, budgets)])
+            ax.set_xlabel("draft tokens verified per round (--budget)")
+            ax.set_ylabel("speedup over AR")
+            ax.set_title(Path(tuning["path"]).stem, fontsize=7)
+            ax.legend(fontsize=6, ncol=2)
+    return _save(fig, out, name, title, "Each method at its own defaults (x) and at each candidate budget, greedy, "
+                 "interleaved with AR on the ShareGPT prompts distillation holds back; the fastest is what "
+                 "`--budget auto` runs (results/<target>/tune/).")
+
+
 def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
     name, title = "gpu_util", "GPU utilization over time"
     series: dict[str, list[tuple[float, float]]] = {}
@@ -448,4 +477,5 @@ def make_figures(records: Records, tables: Tables, out: Path,
                    accept_histograms(overall, out), tau_vs_budget(per_task, out), speedup_vs_tau(per_task, out),
                    tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out),
                    load_sweep(per_task if load is None else load, out)]
-    return figures + [hardware_profile(records.profiles, out), gpu_utilization(records, out)]
+    return figures + [hardware_profile(records.profiles, out), tuning_curves(records.tunings, out),
+                      gpu_utilization(records, out)]

@@ -41,6 +41,7 @@ class Records:
     profiles: list[dict] = field(default_factory=list)
     manifests: list[dict] = field(default_factory=list)
     superseded: list[RunFile] = field(default_factory=list)
+    tunings: list[dict] = field(default_factory=list)  # `bench tune` records (results/<target>/tune/)
 
     def turns_frame(self) -> pd.DataFrame:
         """One row per turn of the runs in the tables (tables/turns.csv): the raw numbers
@@ -80,9 +81,10 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
     if targets:
         for name in set(targets) - {d.name for d in target_dirs}:
             problems.append(Problem("missing", str(results_dir / name), "no records for this target"))
-    profiles, manifests, seen = [], [], 0
+    profiles, manifests, tunings, seen = [], [], [], 0
     for target_dir in target_dirs:
         profiles += _read_profiles(target_dir, problems)
+        tunings += _read_tunings(target_dir, problems)
         manifests += _read_manifests(target_dir, tags, problems)
         for task_dir in sorted(d for d in target_dir.iterdir() if d.is_dir()):
             if not _selected(task_dir.name, tasks):
@@ -115,7 +117,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
         where = ", ".join(f"{k} {' '.join(v)}" for k, v in (("target", targets), ("task", tasks),
                                                            ("method", methods), ("tag", tags)) if v)
         raise BenchError(f"no run records under {results_dir}" + (f" for {where}" if where else ""))
-    records = Records(runs, problems, profiles, manifests, superseded)
+    records = Records(runs, problems, profiles, manifests, superseded, tunings)
     _check_coverage(records)
     _check_contention(records)
     return records
@@ -143,6 +145,22 @@ def _read_profiles(target_dir: Path, problems: list[Problem]) -> list[dict]:
         problems.append(Problem("missing", str(target_dir / "profile"),
                                 f"no hardware profile: run `bench profile --target {target_dir.name}`"))
     return profiles
+
+
+def _read_tunings(target_dir: Path, problems: list[Problem]) -> list[dict]:
+    """`bench tune` records (results/<target>/tune/<device>-<dtype>-<machine>-t<threads>.json)."""
+    tunings = []
+    for path in sorted((target_dir / "tune").glob("*.json")):
+        try:
+            tuning = json.loads(path.read_text(encoding="utf-8"))
+            rows = [row for entry in tuning["methods"].values() for row in entry["candidates"]]
+            if not all({"budget", "speedup"} <= set(row) for row in rows):
+                raise KeyError("candidates")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            problems.append(Problem("corrupt", str(path), f"unreadable tuning record ({type(exc).__name__})"))
+            continue
+        tunings.append({**tuning, "path": str(path)})
+    return tunings
 
 
 def _read_manifests(target_dir: Path, tags: tuple[str, ...] | None, problems: list[Problem]) -> list[dict]:

@@ -144,6 +144,7 @@ def test_the_grid_runs_each_method_at_its_tuned_budget(default_target, tmp_path,
 def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedups(tmp_path):
     """A hand-made grid (eagle3 at its defaults, 0.5x AR) and grid-auto (eagle3 at budget 2,
     AR 1.0 s against 0.8 s per turn: 1.25x): the tuned table, its goal rows and tables/tuned.csv."""
+    from bench.plots import Figured
     from bench.report import make_report
     from tests.report_helpers import turn, write_run
 
@@ -154,6 +155,11 @@ def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedu
         write_run(results, "mtbench", "ar", tag, [turn("1"), turn("2")])
         write_run(results, "mtbench", "eagle3", tag, [turn(q, decode=decode, exact=True, proposed=(2,) * 3,
                                                            accepted=(2, 2, 2)) for q in ("1", "2")], **settings)
+    tune_dir = results / "tiny" / "tune"
+    tune_dir.mkdir()
+    (tune_dir / "cpu-bfloat16-x-t1.json").write_text(json.dumps({"methods": {"eagle3": {"candidates": [
+        {"budget": None, "speedup": 0.5}, {"budget": 1, "speedup": 1.1}, {"budget": 2, "speedup": 1.3}]}}}))
+    (tune_dir / "cpu-float32-x-t1.json").write_text("{broken")
     readme = tmp_path / "README.md"
     readme.write_text("<!-- report:start -->\n<!-- report:end -->\n", encoding="utf-8")
     (results / "README.md").write_text("<!-- references:start -->\n<!-- references:end -->\n", encoding="utf-8")
@@ -165,3 +171,6 @@ def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedu
     assert "- eagle3 speedup > 1: met on 0 of 1 tasks; missed on mtbench (0.50x)" in text
     assert (tmp_path / "plots" / "tables" / "tuned.csv").exists()
     assert "tuned budget" in result["html"].read_text(encoding="utf-8")
+    figures = {f.name: f for f in result["figures"]}
+    assert isinstance(figures["tune"], Figured) and figures["tune"].png.exists()  # the readable record is drawn
+    assert any(p.kind == "corrupt" and p.where.endswith("cpu-float32-x-t1.json") for p in result["problems"])
