@@ -135,7 +135,8 @@ def test_exported_drafter_matches_the_trained_student(tiny_target, sharegpt, tmp
     manifest = json.loads((out / "drafter.json").read_text())
     assert manifest["target"]["fingerprint"] == tiny_target.fingerprint
     assert manifest["training"]["steps"] == 2 and manifest["architecture"]["num_hidden_layers"] == 1
-    assert {"first_10_steps", "last_10_steps", "git_sha", "reply_tokens_seen"} <= set(manifest["training"])
+    assert {"first_10_steps", "last_10_steps", "git_sha", "reply_tokens_seen", "epochs"} <= set(manifest["training"])
+    assert manifest["training"]["epochs"] > 0
     from safetensors.torch import load_file
 
     stored = load_file(str(out / "model.safetensors"))
