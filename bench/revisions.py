@@ -29,14 +29,17 @@ def _changed(old: dict, new: dict) -> str:
     return ", ".join(keys) or "nothing recorded"
 
 
-def _summary(runs: list[RunFile], keys: set, by: str) -> pd.DataFrame:
-    """summarize() over the runs of `keys` and their baselines (repeats pooled as the tables
-    pool them), so every revision of a method pools over the same tasks; baselines left out."""
-    cells = {key[:3] for key in keys}
+def _summary(runs: list[RunFile], keys: set, by: str, baselines: list[RunFile]) -> pd.DataFrame:
+    """summarize() over the runs of `keys`, each against the baseline of its own tag found
+    among `baselines` (every revision: a method not rerun keeps the baseline it ran beside),
+    repeats pooled as the tables pool them, so every revision of a method pools over the same
+    tasks; baselines left out."""
+    chosen = [run for run in runs if _key(run) in keys]
+    tags = {(run.target, run.task, run.tag) for run in chosen}
+    bases = [run for run in baselines if run.method == BASELINE and (run.target, run.task, run.tag) in tags]
     groups: dict[tuple, list[RunFile]] = {}
-    for run in runs:
-        if _key(run) in keys or (run.method == BASELINE and _key(run)[:3] in cells):
-            groups.setdefault(_key(run), []).append(run)
+    for run in chosen + bases:  # one group per revision: two baseline revisions never pool
+        groups.setdefault((*_key(run), run.revision), []).append(run)
     frame = summarize(Records([kept for group in groups.values() for kept in pool_repeats(group)[0]]), by)
     return frame[frame.method.ne(BASELINE)] if not frame.empty else frame
 
@@ -48,9 +51,10 @@ def revisions_table(records: Records, by: str = "task") -> pd.DataFrame:
     if not keys:
         return pd.DataFrame()
     newest = {_key(r): r for r in records.runs}
+    every = records.runs + records.superseded
     frames = []
     for revision in sorted({r.revision for r in records.superseded}):
-        frame = _summary([r for r in records.superseded if r.revision == revision], keys, by)
+        frame = _summary([r for r in records.superseded if r.revision == revision], keys, by, every)
         if frame.empty:
             continue
         frame["records"] = [f"{s}.r{revision}" if revision > 1 else s for s in frame.series]
@@ -63,7 +67,7 @@ def revisions_table(records: Records, by: str = "task") -> pd.DataFrame:
     for key in keys:
         if key in newest:
             tags[(key[0], key[1], key[3])].add(newest[key].tag)
-    current = _summary(records.runs, keys, by)
+    current = _summary(records.runs, keys, by, every)
     if current.empty:
         return pd.concat(frames, ignore_index=True).drop(columns="order") if frames else pd.DataFrame()
     current["records"] = [", ".join(sorted(tags[(t, s, m)])) for t, s, m in

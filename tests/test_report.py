@@ -172,6 +172,15 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     rows = {(r["task"], r["method"]): r for r in summary_rows(tmp_path, TARGET, "grid")}
     assert rows[("gsm8k", "pld")]["speedup"] == pytest.approx(2.0) and rows[("gsm8k", "pld")]["turns"] == 1
     assert rows[("mtbench", "pld")]["speedup"] == pytest.approx(2.0)  # still revision 1, its own baseline
+    # Another method retrained later runs into grid.r3 with a new baseline revision: pld's
+    # grid.r2 row keeps the baseline it ran beside (it lost it once: "no baseline").
+    write_run(tmp_path, "gsm8k", "ar", "grid.r3", [turn("1", ttft=0.2, decode=2.8)])
+    write_run(tmp_path, "gsm8k", "sps", "grid", [turn("1", decode=1.8)])
+    write_run(tmp_path, "gsm8k", "sps", "grid.r3", [turn("1", decode=0.9)], drafter={"sha": "x"})
+    later = revisions_table(load_records(tmp_path, tags=("grid",)), "overall")
+    assert list(zip(later.method, later.records)) == [("pld", "grid"), ("pld", "grid.r2"), ("sps", "grid"),
+                                                      ("sps", "grid.r3")]
+    assert list(later.speedup) == pytest.approx([4.0, 2.0, 2.0 / 1.9, 3.0])  # AR 2.0 s per turn, sps 1.9
 
 
 def test_table_writers(tmp_path):
