@@ -22,6 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
@@ -120,6 +121,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
     records = Records(runs, problems, profiles, manifests, superseded, tunings)
     _check_coverage(records)
     _check_contention(records)
+    _check_baseline_age(records)
     return records
 
 
@@ -253,6 +255,36 @@ def _check_contention(records: Records) -> None:
                 f"{CONTENDED_SHARE:.0%} of the CPU their threads got elsewhere in the run (another job shared the "
                 f"cores): their times, and the speedups that use them, read slow ({shown}"
                 + (" ..." if len(slow) > 8 else "") + ")"))
+
+
+BASELINE_AGE_MINUTES = 45  # a grid of every method runs a task's cells within about half an hour
+
+
+def _started(run: RunFile) -> datetime | None:
+    """When the run's records began (its first header), or None where not recorded."""
+    stamp = (run.headers[0].get("provenance") or {}).get("started_at") if run.headers else None
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ") if stamp else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_baseline_age(records: Records) -> None:
+    """A method whose baseline was recorded long before or after it (the baseline is shared
+    by a tag's cells, interleaved with the first): the machine may have changed in between,
+    and its speedup compares two moments of it, not two methods."""
+    for run in records.runs:
+        base = _base_for(records, run)
+        mine, theirs = _started(run), _started(base) if base is not None else None
+        if mine is None or theirs is None:
+            continue
+        minutes = (mine - theirs).total_seconds() / 60
+        if abs(minutes) > BASELINE_AGE_MINUTES:
+            when = "after" if minutes > 0 else "before"
+            records.problems.append(Problem(
+                "not interleaved", str(run.path), f"began {abs(minutes):.0f} min {when} its AR baseline "
+                f"{base.path.name} (over {BASELINE_AGE_MINUTES}): its speedup compares the machine at two moments; "
+                "run it with its own tag to interleave a fresh baseline"))
 
 
 # ---------------------------------------------------------------- metrics per run / group

@@ -647,3 +647,17 @@ def test_scaling_runs_find_the_kept_drafters_by_their_tokens(tmp_path):
     # Still training, the folder's last export is the kept copy's: the kept copy is named.
     write_drafter(tmp_path, {"w": torch.zeros(1)}, {"training": {"tokens_seen": 1_000_907}})
     assert kept_drafters(tmp_path)[-1] == (1_000_907, tmp_path / "kept/1000000-tokens")
+
+
+def test_a_method_recorded_long_after_its_shared_baseline_is_reported(tmp_path):
+    """The grid shares a tag's AR baseline among its cells; a cell run an hour later (a
+    retrained drafter) compares the machine at two moments, and the report says so."""
+    write_clean(tmp_path, tag="grid")
+    path = tmp_path / TARGET / "gsm8k" / "pld-grid.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["provenance"]["started_at"] = "2026-01-01T01:10:00Z"  # 70 min after the baseline's 00:00
+    path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    found = [p for p in load_records(tmp_path).problems if p.kind == "not interleaved"]
+    assert [Path(p.where).name for p in found] == ["pld-grid.jsonl"]
+    assert "began 70 min after its AR baseline ar-grid.jsonl" in found[0].detail
