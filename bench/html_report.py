@@ -158,7 +158,9 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         ("overall", "Overall (all selected tasks pooled)", _table(display_table(tables.overall))),
         *([("tuned", "At each method's tuned budget (bench tune, --budget auto)",
             '<p class="note">The same suites, each method at the draft budget it ran fastest at on this machine '
-            "(held-back ShareGPT prompts, interleaved with AR); \"at its defaults\" is the table above.</p>"
+            "(held-back ShareGPT prompts, interleaved with AR); \"at its defaults\" is the table above. A speedup "
+            "marked * was recorded more than 45 min after the tag's shared AR baseline (\"not interleaved\" under "
+            "Missing and partial): it compares the machine at two moments.</p>"
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (the grid's series)", _goals(goals))] if goals is not None and not goals.empty else []),
         ("figures", "Figures", _figures(figures)),

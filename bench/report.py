@@ -59,7 +59,8 @@ def readme_blocks(tables: Tables, records: Records, command: str,
     if tuned is not None and not tuned.empty:
         note += ("\n\nAt each method's tuned budget (`bench tune` on this machine, then `python -m bench.grid "
                  "--budget auto`: the same suites, each method at the draft budget it ran fastest at on held-back "
-                 "ShareGPT prompts; \"at its defaults\" is the table above):\n\n" + to_markdown(tuned))
+                 "ShareGPT prompts; \"at its defaults\" is the table above):\n\n" + to_markdown(tuned)
+                 + (f"\n\n{STALE_NOTE}" if tuned["speedup [95% CI]"].str.endswith("*").any() else ""))
     earlier = display_revisions(revisions_table(records, "overall"))
     if not earlier.empty:  # a retrained drafter's numbers beside the ones it replaced
         note += ("\n\nBefore and after: every method with an earlier revision of its records (a retrained "
@@ -72,6 +73,10 @@ def readme_blocks(tables: Tables, records: Records, command: str,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
             "(other targets, other hardware), from bench/reference_numbers.json with the sources methods/README.md "
             "lists; not measured here."}
+
+
+STALE_NOTE = ("\\* recorded more than 45 min after the tag's shared AR baseline on some task (the report's "
+              "\"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
 
 
 def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
@@ -145,7 +150,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     if tuned_tags:
         tuned_records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tuned_tags)
         tuned = build_tables(tuned_records)
-        tuned_view = tuned_overview(tuned.overall, tables.overall)
+        stale = {Path(p.where).name.split("-", 1)[0] for p in tuned_records.problems if p.kind == "not interleaved"}
+        tuned_view = tuned_overview(tuned.overall, tables.overall, stale)
         records.problems.extend(tuned_records.problems)
     load = None
     if load_tags:

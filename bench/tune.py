@@ -210,10 +210,11 @@ def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str 
     return path
 
 
-def tuned_overview(tuned, default):
+def tuned_overview(tuned, default, stale: set[str] = frozenset()):
     """The tuned series beside the grid's, pooled over tasks (bench report --tuned-tag): per
     method the budget it ran at, τ, speedup and exactness, and the speedup at its defaults.
-    `tuned`, `default`: the `overall` tables (bench.tables) of the two series."""
+    `tuned`, `default`: the `overall` tables (bench.tables) of the two series; `stale`: methods
+    with a task recorded long after the shared baseline (marked *: "not interleaved")."""
     import math
 
     import pandas as pd
@@ -229,7 +230,8 @@ def tuned_overview(tuned, default):
         before = at_defaults.get(r.method, math.nan)
         ci = ", ".join("-" if pd.isna(v) else f"{v:.2f}" for v in (low, high))
         rows.append({"method": r.method, "budget": "-" if pd.isna(r.budget) else int(r.budget), "turns": int(r.turns),
-                     "τ": f"{r.tau:.2f}", "speedup [95% CI]": f"{r.speedup:.2f}x [{ci}]",
+                     "τ": f"{r.tau:.2f}",
+                     "speedup [95% CI]": f"{r.speedup:.2f}x [{ci}]" + (" *" if r.method in stale else ""),
                      "at its defaults": "-" if pd.isna(before) else f"{before:.2f}x",
                      "exact match": "-" if pd.isna(r.match_rate) else f"{100 * r.match_rate:.0f}%"})
     return pd.DataFrame(rows)

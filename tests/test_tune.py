@@ -174,3 +174,14 @@ def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedu
     figures = {f.name: f for f in result["figures"]}
     assert isinstance(figures["tune"], Figured) and figures["tune"].png.exists()  # the readable record is drawn
     assert any(p.kind == "corrupt" and p.where.endswith("cpu-float32-x-t1.json") for p in result["problems"])
+    assert "*" not in text.split("At each method's tuned budget")[1].split("Goals")[0]
+    # A tuned cell recorded an hour after the tag's shared baseline is marked, with why.
+    path = results / "tiny" / "mtbench" / "eagle3-grid-auto.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["provenance"]["started_at"] = "2026-01-01T01:10:00Z"
+    path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    make_report(results, tmp_path / "plots", tags=("grid",), tuned_tags=("grid-auto",), readme=readme)
+    text = readme.read_text(encoding="utf-8")
+    assert "| eagle3 | 2 | 2 | 3.00 | 1.25x [1.25, 1.25] * | 0.50x | 100% |" in text
+    assert "\\* recorded more than 45 min after the tag's shared AR baseline" in text
