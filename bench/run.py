@@ -71,7 +71,7 @@ def turn_seed(seed: int, question_id: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _prompt_hash(prompt: list[int]) -> str:
+def prompt_hash(prompt: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
 
 
@@ -85,10 +85,10 @@ class Side:
 
     def recorded_reply(self, question: Question, turn: int, prompt: list[int]) -> str | None:
         """The turn's reply if the records hold it (after claiming the file), else None."""
-        done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
+        done = self.records.done(question.question_id, turn, prompt_hash(prompt))
         if done is None:
             self.records.claim()  # another run may have recorded it before this one took the file
-            done = self.records.done(question.question_id, turn, _prompt_hash(prompt))
+            done = self.records.done(question.question_id, turn, prompt_hash(prompt))
         return None if done is None else done["text"]
 
     def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
@@ -132,7 +132,7 @@ class Side:
         text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
         record = {
             "question_id": question.question_id, "category": question.category, "turn": turn,
-            "prompt_len": len(prompt), "prompt_hash": _prompt_hash(prompt),
+            "prompt_len": len(prompt), "prompt_hash": prompt_hash(prompt),
             "tokens": result.tokens, "text": text, "stop_reason": result.stop_reason,
             "ttft": result.ttft, "decode_time": result.decode_time,
             "draft_time": result.draft_time, "verify_time": result.verify_time,

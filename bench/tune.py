@@ -19,7 +19,6 @@ file `--budget auto` reads (a record of this machine, not a setting of the proje
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -175,6 +174,7 @@ def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str 
 
     from bench.core.provenance import provenance
     from bench.registry import build_decoder
+    from bench.run import prompt_hash
 
     path = tuning_path(results_dir, target)
     record = _read(path) or {}
@@ -182,7 +182,7 @@ def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str 
         record = {}  # other weights: nothing of the old record applies
     entries = dict(record.get("methods", {}))
     settings = {"budgets": list(budgets), "max_new_tokens": max_new_tokens,
-                "prompts": [hashlib.sha1(",".join(map(str, p)).encode()).hexdigest()[:12] for p in prompts]}
+                "prompts": [prompt_hash(p) for p in prompts]}  # as the run records name their prompts
     for method in tqdm(methods, desc="tune", unit="method"):
         try:
             previous = entries.get(method)
