@@ -15,7 +15,7 @@ import pandas as pd
 from bench.core.provenance import git_sha
 from bench.plots import Figured, Skipped
 from bench.revisions import display_revisions, revisions_table
-from bench.tables import Records, Tables, display_table
+from bench.tables import BASELINE_AGE_MINUTES, Records, Tables, display_table
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -159,7 +159,8 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         *([("tuned", "At each method's tuned budget (bench tune, --budget auto)",
             '<p class="note">The same suites, each method at the draft budget it ran fastest at on this machine '
             "(held-back ShareGPT prompts, interleaved with AR); \"at its defaults\" is the table above. A speedup "
-            "marked * was recorded more than 45 min after the tag's shared AR baseline (\"not interleaved\" under "
+            f"marked * was recorded more than {BASELINE_AGE_MINUTES} min after the tag's shared AR baseline "
+            "(\"not interleaved\" under "
             "Missing and partial): it compares the machine at two moments.</p>"
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (the grid's series)", _goals(goals))] if goals is not None and not goals.empty else []),

@@ -19,6 +19,7 @@ from bench.plots import Figured, make_figures
 from bench.revisions import display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
+    BASELINE_AGE_MINUTES,
     HEADLINE,
     RESULTS_README,
     Records,
@@ -75,8 +76,8 @@ def readme_blocks(tables: Tables, records: Records, command: str,
             "lists; not measured here."}
 
 
-STALE_NOTE = ("\\* recorded more than 45 min after the tag's shared AR baseline on some task (the report's "
-              "\"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
+STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag's shared AR baseline on some task "
+              "(the report's \"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
 
 
 def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
