@@ -18,6 +18,7 @@ or repeats a (question, turn) already read is left out and reported; an unfinish
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -33,6 +34,11 @@ from bench.core.jsonl import parse_jsonl
 from bench.core.provenance import provenance
 
 BASELINE = "ar"  # the method every speedup is measured against; it runs beside every other
+
+
+def prompt_hash(prompt: list[int]) -> str:
+    """The short name a turn record gives its prompt's token ids (resume matches on it)."""
+    return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
 
 
 def records_path(results_dir: Path, target: str, task: str, method: str, tag: str | None = None) -> Path:

@@ -26,7 +26,7 @@ from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
 from bench.core.target import chat_prompt
 from bench.monitor import UtilizationMonitor
-from bench.records import BASELINE, RunFile, check_tag, lock_unfinished, records_path, repeat_tag
+from bench.records import BASELINE, RunFile, check_tag, lock_unfinished, prompt_hash, records_path, repeat_tag
 from bench.tune import AUTO, check_tuned_drafter, tuned_budget
 from tasks import Question, load_task, task_name
 
@@ -69,10 +69,6 @@ def turn_seed(seed: int, question_id: str, turn: int) -> int:
     """A per-turn seed, so a resumed run draws the same numbers as an uninterrupted one."""
     digest = hashlib.sha256(f"{seed}:{question_id}:{turn}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def prompt_hash(prompt: list[int]) -> str:
-    return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
 
 
 class Side:

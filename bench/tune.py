@@ -173,8 +173,8 @@ def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str 
     from tqdm import tqdm
 
     from bench.core.provenance import provenance
+    from bench.records import prompt_hash
     from bench.registry import build_decoder
-    from bench.run import prompt_hash
 
     path = tuning_path(results_dir, target)
     record = _read(path) or {}
