@@ -20,7 +20,10 @@ the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every spee
 has its spread over passes; already recorded passes are skipped like any finished cell.
 `--remeasure-contended`: a method's records with turns that shared the CPU with another job
 (bench.report.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
-reports) and the cell runs again. `--ray auto|ADDRESS`: the cells run as tasks on a Ray cluster
+reports) and the cell runs again. `--remeasure-stale`: the same for records that began long
+before or after the tag's shared AR baseline (`<file>.stale[.N]`); the cell runs again and,
+since that baseline is recorded, re-times each baseline turn right before its own (bench.run).
+`--ray auto|ADDRESS`: the cells run as tasks on a Ray cluster
 (bench.grid_ray); this process still plans them and writes every file.
 """
 
@@ -100,6 +103,15 @@ def _done_keys(path: Path) -> set[tuple[str, int]]:
     return RunFile(path).keys if path.exists() else set()
 
 
+def _set_aside(path: Path, why: str) -> None:
+    """Move a record file to `<file>.<why>[.N]`: kept, not read by reports, and its cell runs again."""
+    aside, number = path.with_name(f"{path.name}.{why}"), 1
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}.{why}.{number}")
+    path.rename(aside)
+
+
 def set_aside_if_contended(path: Path) -> int:
     """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
     from bench.tables import contended_turns
@@ -108,12 +120,23 @@ def set_aside_if_contended(path: Path) -> int:
         return 0
     slow = len(contended_turns(RunFile(path).pooled))
     if slow:
-        aside, number = path.with_name(path.name + ".contended"), 1
-        while aside.exists():
-            number += 1
-            aside = path.with_name(f"{path.name}.contended.{number}")
-        path.rename(aside)
+        _set_aside(path, "contended")
     return slow
+
+
+def set_aside_if_stale(path: Path, base_path: Path) -> float | None:
+    """Move a method's record file that began more than bench.tables.BASELINE_AGE_MINUTES from
+    its shared baseline file (and whose turns do not carry re-timed baselines) to
+    `<file>.stale[.N]`; returns the minutes between them when it did, else None."""
+    from bench.tables import BASELINE_AGE_MINUTES, baseline_age
+
+    if not path.exists() or not base_path.exists():
+        return None
+    minutes = baseline_age(RunFile(path), RunFile(base_path))
+    if minutes is None or abs(minutes) <= BASELINE_AGE_MINUTES:
+        return None
+    _set_aside(path, "stale")
+    return minutes
 
 
 def _read_manifest(path: Path) -> dict:
@@ -135,9 +158,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, target_spec: str | None = None,
              device: str | None = None, dtype: str = "auto", data_dir: str | None = None,
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
+             remeasure_stale: bool = False,
              budget: int | str | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None,
              temperature: float = 0.0) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
+    `remeasure_contended` / `remeasure_stale`: set aside a method's records with contended turns /
+    recorded long before or after the tag's shared baseline, and run the cell again.
     `temperature`: every cell's sampling temperature (0: greedy; seeds per turn, as bench run).
     `budget`: every method's --budget (draft tokens verified per round; "auto": each method's own,
     from this machine's `bench tune` record). `ray`: a Ray cluster's
@@ -231,6 +257,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             method_path, base_path = cell_paths(results_dir, target.name, name, method, cell.records)
             if remeasure_contended and not dry_run and (slow := set_aside_if_contended(method_path)):
                 echo(f"[grid] {method} on {name}: {slow} contended turns; {method_path.name} set aside, run again")
+            if remeasure_stale and not dry_run and (age := set_aside_if_stale(method_path, base_path)) is not None:
+                echo(f"[grid] {method} on {name}: began {abs(age):.0f} min from its AR baseline; "
+                     f"{method_path.name} set aside, run again beside a re-timed baseline")
             if keys <= _done_keys(method_path) and keys <= _done_keys(base_path):
                 status = "up to date (skipped)"
             elif dry_run:
@@ -298,6 +327,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="whole passes of the grid (pass k > 1: tag <tag>.rep<k>); speedups get their spread over passes")
 @click.option("--remeasure-contended", is_flag=True,
               help="set aside a method's records with turns that shared the CPU with another job, and run it again")
+@click.option("--remeasure-stale", is_flag=True,
+              help="set aside a method's records the report calls not interleaved (begun long before or after the "
+                   "tag's shared AR baseline), and run it again beside a re-timed baseline")
 @click.option("--budget", default=None,
               help="every method's draft tokens verified per round (bench run --budget; use its own --tag), "
                    "or auto: each method's fastest on this machine (`bench tune`; default tag <grid>-auto)")
@@ -310,7 +342,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="sampling temperature of every cell (the sampled series: default tag <grid>-t<T>)")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
-         repeats, remeasure_contended, budget, ray_address, ray_cpus_per_cell, temperature, dry_run) -> None:
+         repeats, remeasure_contended, remeasure_stale, budget, ray_address, ray_cpus_per_cell, temperature,
+         dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         check_tag(tag, revision_ok=False)
@@ -325,7 +358,8 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
         cells = run_grid(plan, list(methods) or grid_methods(), tag, results_dir,
                          max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
-                         repeats=repeats, remeasure_contended=remeasure_contended, budget=budget, ray=ray_address,
+                         repeats=repeats, remeasure_contended=remeasure_contended,
+                         remeasure_stale=remeasure_stale, budget=budget, ray=ray_address,
                          ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)

@@ -115,10 +115,20 @@ def _pair_key(turn: dict) -> tuple[str, int, int]:
     return str(turn["question_id"]), turn["turn"], turn.get("repeat", 1)
 
 
+def _own_baseline(turn: dict) -> dict:
+    """The baseline turn a method turn carries (re-timed right before it, bench.run), as a turn."""
+    return {**turn["paired_baseline"], "question_id": turn["question_id"], "turn": turn["turn"],
+            "repeat": turn.get("repeat", 1), "category": turn.get("category", "")}
+
+
 def paired(method: list[dict], base: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Turns both runs finished (the same question, turn and repeat), in the same order."""
+    """Turns both runs finished (the same question, turn and repeat), in the same order. A
+    method turn that carries its own baseline turn (`paired_baseline`: the baseline decoded
+    again right before it, because the recorded one is from an earlier moment) pairs with
+    that one."""
     base_by_key = {_pair_key(t): t for t in base}
-    pairs = [(t, base_by_key[_pair_key(t)]) for t in method if _pair_key(t) in base_by_key]
+    pairs = [(t, _own_baseline(t) if t.get("paired_baseline") else base_by_key[_pair_key(t)])
+             for t in method if t.get("paired_baseline") or _pair_key(t) in base_by_key]
     return [m for m, _ in pairs], [b for _, b in pairs]
 
 

@@ -142,6 +142,17 @@ def _utilization(value: object) -> bool:
                     for p in value.get("series", [])))
 
 
+def _paired_baseline(value: object) -> bool:
+    """A method turn's re-timed baseline turn (bench.run: Side.retime)."""
+    if not isinstance(value, dict):
+        return False
+    checks = {"ttft": _seconds, "decode_time": _seconds, "draft_time": _seconds, "verify_time": _seconds,
+              "tokens": _ints, "proposed_lengths": _ints, "accept_lengths": _ints, "tree_sizes": _ints,
+              "utilization": _utilization,
+              "same_tokens": lambda v: isinstance(v, bool)}
+    return all(key in value and ok(value[key]) for key, ok in checks.items())
+
+
 # What a turn record holds, one check per field: every reader (resume, report, summary, grid)
 # leaves out a turn that fails it, and RunFile never writes one.
 TURN_SCHEMA = {
@@ -172,6 +183,8 @@ OPTIONAL_SCHEMA = {
     "imported_from": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "wall_time": (_seconds, "seconds (a finite number >= 0)"),
+    "paired_baseline": (_paired_baseline, "{ttft, decode_time, draft_time, verify_time, tokens, "
+                                          "proposed_lengths, accept_lengths, tree_sizes, utilization, same_tokens}"),
 }
 
 # A turn imported from another harness's answer file (bench.specbench; it says `imported_from`)

@@ -1,11 +1,14 @@
 """`bench run`: decode a task suite with one method, interleaved with the AR baseline.
 
-For every question, turn by turn: the baseline turn (unless already recorded) and then
-the method's turn, so both see the same machine state. Each side carries its own
-conversation: turn 2 is asked after that side's own first answer (as in Spec-Bench).
-Finished turns are read back from the records and skipped. `repeat` k > 1 is another whole
-interleaved pass, recorded beside the first under the tag `<tag>.rep<k>` (bench.records), so a
-speedup can be given with its spread over repeats.
+For every question, turn by turn: the baseline turn and then the method's turn, so both see
+the same machine state. Each side carries its own conversation: turn 2 is asked after that
+side's own first answer (as in Spec-Bench). Finished turns are read back from the records and
+skipped. A tag's baseline is recorded once, with the first method run under it; a method run
+later still gets a baseline of its own moment: the baseline turn is decoded again right before
+the method's (same prompt, same seed), unrecorded in the baseline's file, and its timings are
+kept in the method's record as `paired_baseline` (bench.metrics.paired pairs with it).
+`repeat` k > 1 is another whole interleaved pass, recorded beside the first under the tag
+`<tag>.rep<k>` (bench.records), so a speedup can be given with its spread over repeats.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Side:
         self.name = name
         self.decoder = decoder
         self.records = run_file
+        self.ran = False  # whether the last answer() decoded its turn (False: read back)
 
     def recorded_reply(self, question: Question, turn: int, prompt: list[int]) -> str | None:
         """The turn's reply if the records hold it (after claiming the file), else None."""
@@ -88,16 +92,36 @@ class Side:
         return None if done is None else done["text"]
 
     def answer(self, question: Question, turn: int, messages: list[dict], settings: RunSettings,
-               target, config: DecodeConfig, baseline: Side | None) -> str:
-        """Run (or read back) one turn; returns the reply text for the conversation."""
+               target, config: DecodeConfig, baseline: Side | None,
+               pair: Callable[[], dict] | None = None) -> str:
+        """Run (or read back) one turn; returns the reply text for the conversation.
+        `pair`: called right before the turn runs, it re-times the baseline's turn (kept in
+        the record as `paired_baseline`)."""
         prompt = chat_prompt(target.tokenizer, messages)
+        self.ran = False
         if (text := self.recorded_reply(question, turn, prompt)) is not None:
             return text
         check_context(target, len(prompt), config.max_new_tokens, question.question_id, turn)
+        extra = {"paired_baseline": pair()} if pair is not None else None
         device = str(target.engine.device)
         with UtilizationMonitor(device) as monitor:
             result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
-        return self.record(question, turn, prompt, result, monitor.summary(), settings, target, baseline)
+        self.ran = True
+        return self.record(question, turn, prompt, result, monitor.summary(), settings, target, baseline, extra)
+
+    def retime(self, question: Question, turn: int, messages: list[dict], settings: RunSettings, target,
+               config: DecodeConfig) -> dict:
+        """Decode a turn this side's records hold again, unrecorded: its timings now (a later
+        method's paired baseline), and whether it reproduced the recorded tokens."""
+        prompt = chat_prompt(target.tokenizer, messages)
+        with UtilizationMonitor(str(target.engine.device)) as monitor:
+            result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
+        recorded = self.records.done(question.question_id, turn, prompt_hash(prompt))
+        return {"ttft": result.ttft, "decode_time": result.decode_time, "draft_time": result.draft_time,
+                "verify_time": result.verify_time, "tokens": result.tokens,
+                "proposed_lengths": result.proposed_lengths, "accept_lengths": result.accept_lengths,
+                "tree_sizes": result.tree_sizes, "utilization": monitor.summary(),
+                "same_tokens": recorded is not None and recorded["tokens"] == result.tokens}
 
     def answer_batch(self, items: list[tuple[Question, int, list[dict]]], settings: RunSettings, target,
                      config: DecodeConfig, baseline: Side | None) -> list[str]:
@@ -344,6 +368,7 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
     label = f"{settings.method} on {task}" + (f" (repeat {settings.repeat})" if settings.repeat > 1 else "")
     with tqdm(total=total_turns, desc=label, unit="turn") as progress:
         if settings.batch_size > 1:  # turn k of every conversation at once (turn k's prompt holds reply k-1)
+            # (batched runs pair with the recorded baseline: a batch is not re-timed turn by turn)
             conversations = {(side.name, q.question_id): [] for side in sides for q in questions}
             for turn in range(1, max(len(q.turns) for q in questions) + 1):
                 asked = [q for q in questions if len(q.turns) >= turn]
@@ -365,8 +390,14 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
                     for side in sides:
                         messages = conversations[side.name]
                         messages.append({"role": "user", "content": user_text})
+                        pair = None
+                        if side is method_side and baseline_side is not None and not baseline_side.ran:
+                            # the baseline turn was read back (recorded earlier): time it again now,
+                            # on its prompt (its conversation without the reply it just appended)
+                            pair = partial(baseline_side.retime, question, turn, conversations[BASELINE][:-1],
+                                           settings, target, config)
                         reply = side.answer(question, turn, messages, settings, target, config,
-                                            baseline_side if side is method_side else None)
+                                            baseline_side if side is method_side else None, pair)
                         messages.append({"role": "assistant", "content": reply})
                     progress.update(1)
     return {side.name: ([t for t in side.records.turns if (t["question_id"], t["turn"]) in keys],

@@ -269,22 +269,37 @@ def _started(run: RunFile) -> datetime | None:
         return None
 
 
+def baseline_age(run: RunFile, base: RunFile | None) -> float | None:
+    """Minutes from the start of a method's baseline file to the start of its own, where its
+    speedup rests on that file; None where every turn carries its own re-timed baseline
+    (`paired_baseline`, bench.run) or a start is not recorded."""
+    if base is None or all(t.get("paired_baseline") for t in run.pooled):
+        return None
+    mine, theirs = _started(run), _started(base)
+    return None if mine is None or theirs is None else (mine - theirs).total_seconds() / 60
+
+
 def _check_baseline_age(records: Records) -> None:
     """A method whose baseline was recorded long before or after it (the baseline is shared
-    by a tag's cells, interleaved with the first): the machine may have changed in between,
-    and its speedup compares two moments of it, not two methods."""
+    by a tag's cells, interleaved with the first; runs since the paired baseline re-time it
+    per turn instead): the machine may have changed in between, and its speedup compares two
+    moments of it, not two methods. A re-timed baseline that decoded other tokens than the
+    recorded one is reported too."""
     for run in records.runs:
         base = _base_for(records, run)
-        mine, theirs = _started(run), _started(base) if base is not None else None
-        if mine is None or theirs is None:
-            continue
-        minutes = (mine - theirs).total_seconds() / 60
-        if abs(minutes) > BASELINE_AGE_MINUTES:
+        differ = [t for t in run.pooled if t.get("paired_baseline") and not t["paired_baseline"]["same_tokens"]]
+        if differ:
+            records.problems.append(Problem(
+                "baseline not reproduced", str(run.path), f"{len(differ)} of its turns' re-timed AR baselines "
+                f"decoded other tokens than the AR records hold (first: {differ[0]['question_id']} turn "
+                f"{differ[0]['turn']}): the baseline is not deterministic here"))
+        minutes = baseline_age(run, base)
+        if minutes is not None and abs(minutes) > BASELINE_AGE_MINUTES:
             when = "after" if minutes > 0 else "before"
             records.problems.append(Problem(
                 "not interleaved", str(run.path), f"began {abs(minutes):.0f} min {when} its AR baseline "
                 f"{base.path.name} (over {BASELINE_AGE_MINUTES}): its speedup compares the machine at two moments; "
-                "run it with its own tag to interleave a fresh baseline"))
+                "`python -m bench.grid --remeasure-stale` runs it again, re-timing the baseline beside it"))
 
 
 # ---------------------------------------------------------------- metrics per run / group

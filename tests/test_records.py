@@ -217,6 +217,35 @@ def test_run_repeats_are_whole_passes_paired_within_themselves(tiny_task, tmp_pa
     assert read_records(folder / "pld-x.rep2.jsonl")[1] == second
 
 
+def test_a_method_run_after_its_baseline_was_recorded_re_times_it_beside_each_turn(tiny_task, tmp_path):
+    """The tag's baseline is recorded with the first method; a second method run later under
+    the same tag decodes each baseline turn again right before its own and keeps those
+    timings (paired_baseline), which its speedup then uses; the baseline's file is unchanged."""
+    from bench import metrics
+    from bench.run import RunSettings, run
+
+    settings = RunSettings(method="pld", task=str(tiny_task), max_new_tokens=8, device="cpu", tag="x",
+                           results_dir=str(tmp_path / "results"))
+    run(settings)
+    folder = tmp_path / "results" / "smollm2-135m" / task_name(str(tiny_task))
+    baseline = (folder / "ar-x.jsonl").read_bytes()
+    assert not any("paired_baseline" in t for t in read_records(folder / "pld-x.jsonl")[1])  # interleaved already
+
+    summary = run(RunSettings(**{**settings.__dict__, "method": "lookahead"}))
+    assert (folder / "ar-x.jsonl").read_bytes() == baseline
+    _, turns = read_records(folder / "lookahead-x.jsonl")
+    _, base = read_records(folder / "ar-x.jsonl")
+    assert len(turns) == 3 and all(t["exact_match"] for t in turns)
+    for mine, theirs in zip(turns, base, strict=True):
+        own = mine["paired_baseline"]
+        assert own["same_tokens"] and own["tokens"] == theirs["tokens"]  # the same turn, decoded again
+        assert own["ttft"] > 0 and own["decode_time"] > 0 and own["utilization"]["kind"] == "cpu"
+    assert summary["lookahead"]["speedup"] == pytest.approx(metrics._ratio_of_sums(
+        turns, [{**t["paired_baseline"], "question_id": t["question_id"]} for t in turns]))
+    run(RunSettings(**{**settings.__dict__, "method": "lookahead"}))  # all recorded: nothing re-timed
+    assert read_records(folder / "lookahead-x.jsonl")[1] == turns
+
+
 def test_two_runs_never_write_one_file(path):
     """Reading is shared; writing takes the file's lock: a second writer gets a one-line error,
     and a writer that comes after another reads back its turns first."""

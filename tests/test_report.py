@@ -411,6 +411,18 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     cells = json.loads((results / TARGET / "grid-grid.json").read_text())["cells"]
     assert sorted((c["method"], c["repeat"]) for c in cells) == [("ar", 1), ("ar", 2), ("eagle3", 1), ("eagle3", 2),
                                                                  ("pld", 1), ("pld", 2)]
+    # --remeasure-stale: records begun long after the tag's shared baseline are set aside and run again.
+    lines = r2.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["provenance"]["started_at"] = "2099-01-01T00:00:00Z"
+    r2.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    assert "not interleaved" in kinds(load_records(results, tags=("grid",)))
+    cells = run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, remeasure_stale=True)
+    assert [c.status for c in cells if c.method == "pld"] == ["ran"] and fake_bench[-1] == "grid.r2"
+    assert json.loads((folder / "pld-grid.r2.jsonl.stale").read_text().splitlines()[0]) == head
+    assert "not interleaved" not in kinds(load_records(results, tags=("grid",)))
+    cells = run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, remeasure_stale=True)
+    assert [c.status for c in cells if c.method == "pld"] == ["up to date (skipped)"]
 
 
 def test_grid_methods_come_from_the_registry():
@@ -661,3 +673,36 @@ def test_a_method_recorded_long_after_its_shared_baseline_is_reported(tmp_path):
     found = [p for p in load_records(tmp_path).problems if p.kind == "not interleaved"]
     assert [Path(p.where).name for p in found] == ["pld-grid.jsonl"]
     assert "began 70 min after its AR baseline ar-grid.jsonl" in found[0].detail
+
+
+def test_a_late_method_whose_turns_carry_their_own_baseline_is_paired_with_it(tmp_path):
+    """A method recorded long after the tag's baseline, whose turns carry the baseline decoded
+    again right before each (bench.run: paired_baseline), is paired with those: no "not
+    interleaved", and the speedup is its own moment's. A re-timed baseline that decoded
+    other tokens than the recorded one is reported."""
+    write_clean(tmp_path, tag="grid")
+    path = tmp_path / TARGET / "gsm8k" / "pld-grid.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["provenance"]["started_at"] = "2026-01-01T01:10:00Z"
+    (pld,) = [json.loads(line) for line in lines[1:]]
+    ar = turn("1", category="math", ttft=0.1, decode=0.9)  # AR re-timed now: 1.0 s (the recorded one: 2.0 s)
+    pld["paired_baseline"] = {k: ar[k] for k in ("ttft", "decode_time", "draft_time", "verify_time", "tokens",
+                                                 "proposed_lengths", "accept_lengths", "tree_sizes", "utilization")}
+    pld["paired_baseline"]["same_tokens"] = True
+    path.write_text("\n".join([json.dumps(first), json.dumps(pld)]) + "\n")
+    records = load_records(tmp_path)
+    assert "not interleaved" not in kinds(records) and "baseline not reproduced" not in kinds(records)
+    run = next(r for r in records.runs if r.method == "pld" and r.task == "gsm8k")
+    base = next(r for r in records.runs if r.method == "ar" and r.task == "gsm8k")
+    assert metrics.speedup(run.pooled, base.pooled) == pytest.approx(2.0)  # 1.0 s / 0.5 s, not 2.0 s / 0.5 s
+
+    pld["paired_baseline"]["same_tokens"] = False
+    path.write_text("\n".join([json.dumps(first), json.dumps(pld)]) + "\n")
+    (found,) = [p for p in load_records(tmp_path).problems if p.kind == "baseline not reproduced"]
+    assert Path(found.where).name == "pld-grid.jsonl" and "1 of its turns" in found.detail
+
+    pld["paired_baseline"].pop("ttft")  # damaged: the turn is left out and reported, never counted
+    path.write_text("\n".join([json.dumps(first), json.dumps(pld)]) + "\n")
+    records = load_records(tmp_path)
+    assert not [r for r in records.runs if r.method == "pld" and r.task == "gsm8k"]
