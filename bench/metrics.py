@@ -215,6 +215,8 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
         "mismatches": sum(t.get("exact_match") is False and not t.get("near_tie") for t in method),
     }
     if base is not None:
+        # the AR rate each speedup is against (its paired turns): tok/s / this = the speedup
+        row["base_tokens_per_s"] = tokens_per_second(paired(method, base)[1])
         row["speedup"] = speedup(method, base)
         row["speedup_ci"] = speedup_interval(method, base)
         row["speedup_repeats"] = speedup_per_repeat(method, base)

@@ -84,9 +84,10 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
     each pass: median [min, max]."""
     repeats = any(len(row.get("speedup_repeats", [])) > 1 for row in rows)
     lines = [("| tag " if tags else "") + "| task | method | turns | τ | a_1 | a_2 | a_3 | a_4 | draft ms/round "
-             "| nodes/round | verified per accepted | tok/s | exact match | near ties | mismatches | speedup [95% CI] "
+             "| nodes/round | verified per accepted | tok/s | AR tok/s beside it | exact match | near ties "
+             "| mismatches | speedup [95% CI] "
              "| model τ·t0/(t_d+t_v) |" + (" speedup per pass |" if repeats else ""),
-             "|---" * (17 + tags + repeats) + "|"]
+             "|---" * (18 + tags + repeats) + "|"]
     for row in rows:
         accept = (row["accept_cond"] + [float("nan")] * 4)[:4]
         low, high = row.get("speedup_ci") or (float("nan"), float("nan"))
@@ -94,7 +95,8 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
                 f"{row['tau']:.2f} | "
                 + " | ".join(f"{a:.2f}" for a in accept)
                 + f" | {1e3 * row['draft_s_per_round']:.1f} | {row['nodes_per_round']:.1f} "
-                f"| {row['verified_per_accepted']:.1f} | {row['tokens_per_s']:.1f}"
+                f"| {row['verified_per_accepted']:.1f} | {row['tokens_per_s']:.1f} "
+                f"| {row.get('base_tokens_per_s', float('nan')):.1f}"
                 + f" | {100 * row['match_rate']:.0f}% | {row['near_ties']} | {row['mismatches']} | "
                 f"{row['speedup']:.2f}x [{low:.2f}, {high:.2f}] | {row.get('speedup_model', float('nan')):.2f}x |")
         if repeats:

@@ -435,6 +435,9 @@ def display_table(frame: pd.DataFrame) -> pd.DataFrame:
         row["speedup (Spec-Bench)"] = "1 (baseline)" if r["method"] == BASELINE else \
             specbench + ("x" if specbench != "-" else "")
         row["tok/s"] = _num(r["tokens_per_s"], ".1f")
+        # the AR rate its speedup is against (the same turns, interleaved): they may differ from the AR row's
+        beside = r.get("base_tokens_per_s", math.nan)
+        row["AR tok/s beside it"] = "-" if r["method"] == BASELINE else _num(beside, ".1f")
         row["TTFT ms"] = _num(r["ttft_s"], ".0f", 1e3)
         row["TPOT ms"] = _num(r["tpot_s"], ".1f", 1e3)
         if r["method"] == BASELINE:

@@ -696,6 +696,9 @@ def test_a_late_method_whose_turns_carry_their_own_baseline_is_paired_with_it(tm
     run = next(r for r in records.runs if r.method == "pld" and r.task == "gsm8k")
     base = next(r for r in records.runs if r.method == "ar" and r.task == "gsm8k")
     assert metrics.speedup(run.pooled, base.pooled) == pytest.approx(2.0)  # 1.0 s / 0.5 s, not 2.0 s / 0.5 s
+    shown = display_table(summarize(records)).set_index(["task", "method"])
+    assert shown.loc[("gsm8k", "pld"), "AR tok/s beside it"] == "10.0"  # 10 tokens in the re-timed 1.0 s
+    assert shown.loc[("gsm8k", "pld"), "speedup [95% CI]"].startswith("2.00x")
 
     pld["paired_baseline"]["same_tokens"] = False
     path.write_text("\n".join([json.dumps(first), json.dumps(pld)]) + "\n")
