@@ -322,6 +322,8 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
     this device, and store them."""
     from pathlib import Path
 
+    import torch
+
     from bench.core.costs import format_profile, profile_path, verify_latency
     from bench.core.target import default_device, load_target, resolve_dtype
     from bench.records import provenance
@@ -355,7 +357,8 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
     # The record goes to results/; the copy in the cache is what methods read (bench.core.costs).
     from bench.core.provenance import machine_key
 
-    kept = Path(results_dir) / loaded.name / "profile" / f"{device.split(':')[0]}-{dtype}-{machine_key(device)}.json"
+    kept = Path(results_dir) / loaded.name / "profile" / (
+        f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json")
     cached = profile_path(loaded.name, device.split(":")[0], str(loaded.engine.dtype).removeprefix("torch."))
     for path in (kept, cached):
         try:

@@ -32,13 +32,14 @@ def test_verify_latency_rows_and_cache_rollback(one_thread):
     assert "memory-bound one-token step" in format_profile(profile)
 
 
-def test_bench_profile_stores_a_record(tmp_path, one_thread):
+def test_bench_profile_stores_a_record(tmp_path, one_thread, monkeypatch):
     import json
 
     from click.testing import CliRunner
 
     from bench.cli import main
 
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))  # the copy methods read: never the user's cache
     result = CliRunner().invoke(main, ["profile", "--drafters", "pld,nosuch_x", "--results-dir", str(tmp_path)])
     assert result.exit_code == 2 and "unknown method 'nosuch_x'" in result.output
     result = CliRunner().invoke(main, ["profile", "--device", "cpu", "--dtype", "float32", "--ks", "1,3", "--trees",
@@ -47,8 +48,10 @@ def test_bench_profile_stores_a_record(tmp_path, one_thread):
     assert result.exit_code == 0, result.output
     from bench.core.provenance import cpu_isa, machine_key
 
-    kept = tmp_path / "smollm2-135m" / "profile" / f"cpu-float32-{machine_key('cpu')}.json"  # one file per machine
+    # one file per machine and thread count; the copy methods read, per thread count too
+    kept = tmp_path / "smollm2-135m" / "profile" / f"cpu-float32-{machine_key('cpu')}-t1.json"
     record = json.loads(kept.read_text())
+    assert json.loads((tmp_path / "cache" / "profiles" / "smollm2-135m" / "cpu-float32-t1.json").read_text()) == record
     assert record["provenance"]["cpu_isa"] == cpu_isa() and machine_key("cpu").endswith(cpu_isa().replace("_", "-"))
     assert [r["k"] for r in record["rows"]] == [1, 3, 5] and record["provenance"]["git_sha"]
     assert record["fingerprint"] and record["context"] == 16 and record["hf_generate"]["step_s"] > 0
@@ -94,6 +97,7 @@ def test_stored_chain_costs_only_from_this_machine(tmp_path, monkeypatch):
     provenance = {"device_name": device_name("cpu"), "torch_threads": torch.get_num_threads()}
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path))
     path = profile_path("tiny", "cpu", "float32")  # where `bench profile` stores it; never read from results/
+    assert path.name == f"cpu-float32-t{torch.get_num_threads()}.json"  # 1 and 2 threads are profiles of their own
     path.parent.mkdir(parents=True)
 
     def stored(**changes) -> list[float] | None:

@@ -247,12 +247,15 @@ def quick_chain_costs(engine: Engine, max_k: int, context: int = 256, repeats: i
     return chain_costs(profile, max_k)
 
 
-def profile_path(target_name: str, device_type: str, dtype: str) -> Path:
-    """Where `bench profile` keeps this machine's t_v(k) for a target: the cache, not results/
-    (a results folder is output; a method reads its input from the cache or an explicit path)."""
+def profile_path(target_name: str, device_type: str, dtype: str, threads: int | None = None) -> Path:
+    """Where `bench profile` keeps this machine's t_v(k) for a target at `threads` torch threads
+    (default: this process's): the cache, not results/ (a results folder is output; a method
+    reads its input from the cache or an explicit path). One file per thread count, so a
+    one-thread grid and a two-thread run each find their own."""
     from bench.core.target import cache_dir
 
-    return cache_dir() / "profiles" / target_name / f"{device_type}-{dtype}.json"
+    threads = threads or torch.get_num_threads()
+    return cache_dir() / "profiles" / target_name / f"{device_type}-{dtype}-t{threads}.json"
 
 
 def stored_chain_costs(target, max_k: int, path: Path | None = None) -> list[float] | None:
