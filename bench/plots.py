@@ -374,7 +374,11 @@ def hardware_profile(profiles: list[dict], out: Path) -> Figured | Skipped:
                 ks = [r["k"] for r in rows]
                 left.plot(ks, [1e3 * r["median_s"] for r in rows], style, markersize=3, label=f"{label}, {kind}")
                 if rows[0].get("ratio_to_k1") is not None:
-                    right.plot(ks, [r["ratio_to_k1"] for r in rows], style, markersize=3)
+                    line, = right.plot(ks, [r["ratio_to_k1"] for r in rows], style, markersize=3)
+                    floor = profile.get("compute_bound") or {}
+                    if kind == "chain" and floor.get("least_ratio_to_k1"):  # what the matmul rate allows at best
+                        right.plot([floor["k"]], [floor["least_ratio_to_k1"]], "*", markersize=9,
+                                   color=line.get_color())
         for ax in (left, right):
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(ScalarFormatter())
@@ -396,8 +400,10 @@ def hardware_profile(profiles: list[dict], out: Path) -> Figured | Skipped:
     skipped = [f"{row['method']}: {row['skipped']}" for p in profiles for row in p.get("drafters", [])
                if "skipped" in row]
     return _save(fig, out, name, title, "One target forward over k new tokens after a fixed context "
-                 "(`bench profile`); chains solid, top-2 trees dashed; right: draft and verify time per round of "
-                 "each drafter on one prompt." + (f" Not profiled: {'; '.join(skipped)}." if skipped else ""))
+                 "(`bench profile`); chains solid, top-2 trees dashed; a star: the least t_v(16)/t_v(1) the "
+                 "measured matmul rate allows (16 rows of arithmetic at that rate, over the measured t_v(1)); "
+                 "right: draft and verify time per round of each drafter on one prompt."
+                 + (f" Not profiled: {'; '.join(skipped)}." if skipped else ""))
 
 
 def tuning_curves(tunings: list[dict], out: Path) -> Figured | Skipped:

@@ -65,6 +65,8 @@ def write_profile(results: Path) -> Path:
              for k in (8, 16)]
     drafters = [{"method": "pld", "rounds": 10, "draft_ms_per_round": 0.2, "verify_ms_per_round": 12.0,
                  "nodes_per_round": 3.0, "tau": 2.0}, {"method": "eagle3", "skipped": "no eagle3 drafter"}]
+    compute = {"k": 16, "matmul_flops_per_s": 1e11, "floor_s": 0.02, "least_ratio_to_k1": 2.0}  # drawn as a star
     path.write_text(json.dumps({"target": TARGET, "dtype": "float32", "context": 64, "rows": rows, "drafters": drafters,
-                                "provenance": {"device_name": "test cpu"}}), encoding="utf-8")
+                                "compute_bound": compute, "provenance": {"device_name": "test cpu"}}),
+                    encoding="utf-8")
     return path

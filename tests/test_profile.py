@@ -30,6 +30,13 @@ def test_verify_latency_rows_and_cache_rollback(one_thread):
     assert bound["limit_s"] == pytest.approx(bound["weight_bytes"] / bound["read_bytes_per_s"])
     assert bound["step_over_limit"] == pytest.approx(profile["rows"][0]["median_s"] / bound["limit_s"])
     assert "memory-bound one-token step" in format_profile(profile)
+    # The compute-bound floor of a 16-row pass: 2 FLOPs per row and linear weight at the measured matmul rate.
+    compute = profile["compute_bound"]
+    params = 30 * (576 * 960 + 576 * 576 + 2 * 576 * 1536 + 576 * 1536) + 49152 * 576
+    assert compute["k"] == 16 and compute["matmul_flops_per_s"] > 0
+    assert compute["floor_s"] == pytest.approx(2 * 16 * params / compute["matmul_flops_per_s"])
+    assert compute["least_ratio_to_k1"] == pytest.approx(compute["floor_s"] / profile["rows"][0]["median_s"])
+    assert "compute-bound 16-token pass" in format_profile(profile)
 
 
 def test_bench_profile_stores_a_record(tmp_path, one_thread, monkeypatch):

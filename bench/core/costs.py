@@ -131,6 +131,37 @@ def memory_bound(engine: Engine, step_seconds: float | None) -> dict:
             "step_over_limit": step_seconds / limit if step_seconds else None}
 
 
+def matmul_rate(engine: Engine, rows: int = 16, repeats: int = 10) -> float:
+    """FLOP/s of a `rows`-row pass through one layer's gate/up weight by the engine's own
+    linear path (the CPU kernels where they run), the weight kept in cache by repetition:
+    the arithmetic a k-row verification pass cannot beat, however its weights stream."""
+    weight = engine.layers[0]["gate_up"]
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(engine.device, engine.dtype)
+    timer = _timer(engine.device)
+    calls = 20
+
+    def passes() -> None:
+        for _ in range(calls):
+            engine.linear(x, weight)
+
+    with torch.inference_mode(), engine.rows_limited(engine.invariant):
+        passes()
+        seconds = min(timer(passes) for _ in range(repeats)) / calls
+    return 2 * rows * weight.numel() / seconds
+
+
+def compute_bound(engine: Engine, step_seconds: float | None, k: int = 16) -> dict:
+    """The k-row pass's compute-bound floor (2 k FLOPs per linear weight at the measured
+    matmul rate) and the least t_v(k)/t_v(1) it allows beside the measured one-row step:
+    what no kernel can beat on this device (a CPU without matrix units is compute-bound
+    well below k = 16)."""
+    params = sum(t.numel() for t in engine._linear_weights())
+    rate = matmul_rate(engine, k)
+    floor = 2 * k * params / rate
+    return {"k": k, "matmul_flops_per_s": rate, "floor_s": floor,
+            "least_ratio_to_k1": floor / step_seconds if step_seconds else None}
+
+
 def hf_generate_step(target, context: int = 512, new_tokens: int = 32, repeats: int = 3) -> dict:
     """Seconds per token of transformers' own greedy `generate` on the target's weights and
     dtype after a `context`-token prompt: (t(new_tokens) - t(1)) / (new_tokens - 1), so the
@@ -188,7 +219,9 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
     base = next((r["median_s"] for r in rows if r["kind"] == "chain" and r["k"] == 1), None)
     for row in rows:
         row["ratio_to_k1"] = row["median_s"] / base if base else None
-    return {"context": context, "rows": rows, "memory_bound": memory_bound(engine, base)}
+    bound = memory_bound(engine, base)
+    return {"context": context, "rows": rows, "memory_bound": bound,
+            "compute_bound": compute_bound(engine, base)}
 
 
 def format_profile(profile: dict) -> str:
@@ -202,6 +235,15 @@ def format_profile(profile: dict) -> str:
         lines.append(f"memory-bound one-token step: {bound['limit_s'] * 1e3:.2f} ms "
                      f"({bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['read_bytes_per_s'] / 1e9:.1f} "
                      f"GB/s measured){over}")
+    compute = profile.get("compute_bound")
+    if compute:
+        measured = next((r for r in profile["rows"] if r["kind"] == "chain" and r["k"] == compute["k"]), None)
+        least = compute.get("least_ratio_to_k1")
+        ratio = measured.get("ratio_to_k1") if measured else None
+        lines.append(f"compute-bound {compute['k']}-token pass: {compute['floor_s'] * 1e3:.2f} ms "
+                     f"({compute['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s measured)"
+                     + (f"; beside this t_v(1), t_v({compute['k']})/t_v(1) >= {least:.2f}" if least else "")
+                     + (f" (measured {ratio:.2f})" if ratio else ""))
     hf, base = profile.get("hf_generate"), next((r for r in profile["rows"] if r["kind"] == "chain" and r["k"] == 1),
                                                  None)
     if hf and base:
