@@ -76,6 +76,49 @@ def readme_blocks(tables: Tables, records: Records, command: str,
             "lists; not measured here."}
 
 
+def profile_block(profiles: list[dict]) -> str:
+    """What `bench report --readme` writes between the `profile` markers: one line per kept
+    `bench profile` record, every figure read from it."""
+    lines = []
+    for profile in sorted(profiles, key=lambda p: p["path"]):
+        chain = {r["k"]: r for r in profile["rows"] if r["kind"] == "chain"}
+        trees = {r["k"]: r for r in profile["rows"] if r["kind"] == "tree"}
+        base = chain.get(1)
+        if base is None:
+            continue
+        prov = profile.get("provenance") or {}
+        head = (f"- `{Path(profile['path']).name}` ({prov.get('device_name', '?')}, {profile.get('dtype', '?')}, "
+                f"{prov.get('torch_threads', '?')} thread(s), context {profile.get('context', '?')}, "
+                f"median of {profile.get('repeats', '?')}, {str(prov.get('started_at', '?'))[:10]}): "
+                f"t_v(1) {base['median_s'] * 1e3:.2f} ms")
+        bound = profile.get("memory_bound") or {}
+        if bound.get("step_over_limit"):
+            head += (f" = {bound['step_over_limit']:.2f}x the memory-bound limit ({bound['weight_bytes'] / 1e6:.0f} MB "
+                     f"at {bound['read_bytes_per_s'] / 1e9:.1f} GB/s)")
+        hf = profile.get("hf_generate") or {}
+        if hf.get("step_s"):
+            head += (f"; transformers.generate {hf['step_s'] * 1e3:.2f} ms/token "
+                     f"({hf['step_s'] / base['median_s']:.2f}x)")
+        shown = [k for k in (4, 8, 16, 32) if k in chain]
+        if shown:
+            head += (f"; t_v(k)/t_v(1) at k = {' / '.join(map(str, shown))}: "
+                     + " / ".join(f"{chain[k]['median_s'] / base['median_s']:.2f}" for k in shown))
+        if trees:
+            head += (f"; top-2 trees of {' / '.join(map(str, sorted(trees)))} nodes: "
+                     + " / ".join(f"{trees[k]['median_s'] / base['median_s']:.2f}" for k in sorted(trees)))
+        compute = profile.get("compute_bound") or {}
+        if compute.get("least_ratio_to_k1"):
+            head += (f"; compute-bound floor of a {compute['k']}-token pass {compute['floor_s'] * 1e3:.1f} ms "
+                     f"({compute['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s): t_v({compute['k']})/t_v(1) >= "
+                     f"{compute['least_ratio_to_k1']:.2f} here")
+        drafters = [d for d in profile.get("drafters", []) if "skipped" not in d]
+        if drafters:
+            head += "; draft ms per round: " + ", ".join(f"{d['method']} {d['draft_ms_per_round']:.1f}"
+                                                         for d in drafters)
+        lines.append(head + ".")
+    return "\n".join(lines) or "No `bench profile` record."
+
+
 STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag's shared AR baseline on some task "
               "(the report's \"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
 
@@ -106,6 +149,7 @@ def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None) -> 
 
 
 DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
+PROFILE = "profile"  # results/README block: every kept hardware profile (written where the marker is)
 
 
 def drafters_table() -> str:
@@ -208,6 +252,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         top = {HEADLINE: blocks.pop(HEADLINE)}
         if f"<!-- {DRAFTERS}:start -->" in Path(readme).read_text(encoding="utf-8"):
             top[DRAFTERS] = drafters_table()
+        if f"<!-- {PROFILE}:start -->" in results_readme.read_text(encoding="utf-8"):
+            blocks[PROFILE] = profile_block(records.profiles)
         update_readmes({Path(readme): top, results_readme: blocks})
     return {"html": html_path, "files": written, "problems": records.problems, "tables": tables,
             "figures": figures}

@@ -709,3 +709,17 @@ def test_a_late_method_whose_turns_carry_their_own_baseline_is_paired_with_it(tm
     path.write_text("\n".join([json.dumps(first), json.dumps(pld)]) + "\n")
     records = load_records(tmp_path)
     assert not [r for r in records.runs if r.method == "pld" and r.task == "gsm8k"]
+
+
+def test_the_profile_block_reads_every_figure_from_the_kept_records(tmp_path):
+    from bench.report import profile_block
+
+    write_clean(tmp_path)
+    write_profile(tmp_path)
+    block = profile_block(load_records(tmp_path).profiles)
+    # write_profile: t_v(k) = 10 ms x (1 + k/8) for chains, (1 + k/6) for trees
+    assert block.startswith("- `cpu-float32.json` (test cpu, float32") and "t_v(1) 11.25 ms" in block
+    assert "t_v(k)/t_v(1) at k = 4 / 8 / 16: 1.33 / 1.78 / 2.67" in block
+    assert "top-2 trees of 8 / 16 nodes: 2.07 / 3.26" in block
+    assert "t_v(16)/t_v(1) >= 2.00 here" in block and "draft ms per round: pld 0.2" in block
+    assert profile_block([]) == "No `bench profile` record."
