@@ -103,24 +103,28 @@ class Side:
             return text
         check_context(target, len(prompt), config.max_new_tokens, question.question_id, turn)
         extra = {"paired_baseline": pair()} if pair is not None else None
-        device = str(target.engine.device)
-        with UtilizationMonitor(device) as monitor:
-            result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
+        result, utilization = self._decode(prompt, question, turn, settings, target, config)
         self.ran = True
-        return self.record(question, turn, prompt, result, monitor.summary(), settings, target, baseline, extra)
+        return self.record(question, turn, prompt, result, utilization, settings, target, baseline, extra)
+
+    def _decode(self, prompt: list[int], question: Question, turn: int, settings: RunSettings, target,
+                config: DecodeConfig) -> tuple[object, dict]:
+        """One timed turn with its own seed; (its result, the CPU/GPU utilization meanwhile)."""
+        with UtilizationMonitor(str(target.engine.device)) as monitor:
+            result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
+        return result, monitor.summary()
 
     def retime(self, question: Question, turn: int, messages: list[dict], settings: RunSettings, target,
                config: DecodeConfig) -> dict:
         """Decode a turn this side's records hold again, unrecorded: its timings now (a later
         method's paired baseline), and whether it reproduced the recorded tokens."""
         prompt = chat_prompt(target.tokenizer, messages)
-        with UtilizationMonitor(str(target.engine.device)) as monitor:
-            result = self.decoder.run_turn(prompt, config, turn_generator(target, settings, question, turn))
+        result, utilization = self._decode(prompt, question, turn, settings, target, config)
         recorded = self.records.done(question.question_id, turn, prompt_hash(prompt))
         return {"ttft": result.ttft, "decode_time": result.decode_time, "draft_time": result.draft_time,
                 "verify_time": result.verify_time, "tokens": result.tokens,
                 "proposed_lengths": result.proposed_lengths, "accept_lengths": result.accept_lengths,
-                "tree_sizes": result.tree_sizes, "utilization": monitor.summary(),
+                "tree_sizes": result.tree_sizes, "utilization": utilization,
                 "same_tokens": recorded is not None and recorded["tokens"] == result.tokens}
 
     def answer_batch(self, items: list[tuple[Question, int, list[dict]]], settings: RunSettings, target,
