@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.core.decode import LoopDecoder
 from bench.core.options import DraftOptions, Dtype, option, parse_options
-from methods.eagle import EXPORT_FORMATS, load_head
+from methods.eagle import EXPORT_FORMATS, draft_vocabulary, load_head
 from methods.eagle.drafter import EagleDrafter, TreeSettings
 
 METHOD = "eagle2"
@@ -30,8 +30,10 @@ BUDGET_MAX_DEPTH = 8  # --budget's depth cap: each level is one head pass
 class Options(DraftOptions):
     """total_token: draft nodes + root (EAGLE's convention); depth: deepest draft level;
     top_k: children per expanded node and frontier width; drafter: folder (ours or a
-    published one); dtype: the head's compute dtype (bfloat16 by default: it only proposes).
-    EAGLE-3 (methods/eagle3.py) takes the same options.
+    published one); dtype: the head's compute dtype (bfloat16 by default: it only proposes);
+    draft_vocab: FR-Spec, draft over the N most frequent tokens of the target's replies
+    (methods/eagle/fr_spec.py; 0: the whole vocabulary, EAGLE's convention). EAGLE-3
+    (methods/eagle3.py) takes the same options but draft_vocab (it has its own).
 
     --budget K: total_token = K + 1 and depth = min(K, 8) (an explicit depth wins). At most
     top_k + (depth-1) top_k^2 nodes are generated, so a large K with a shallow tree verifies
@@ -42,6 +44,7 @@ class Options(DraftOptions):
     top_k: int = option(TreeSettings.top_k, min=1)
     drafter: str | None = None
     dtype: Dtype = "bfloat16"
+    draft_vocab: int = option(0, min=0)
 
     BUDGET_SOFT = ("depth",)
 
@@ -60,7 +63,9 @@ def dynamic_tree(options: Options) -> TreeSettings:
 def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
     head, manifest = load_head(target, METHOD, opts, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
+    vocab = draft_vocabulary(target, opts, manifest["info"])
+    return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD, vocab=vocab),
+                       manifest["info"])
 
 
 def export(target, drafter: str | None, fmt: str, out: Path) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.core.decode import LoopDecoder
+from bench.core.errors import BenchError
 from bench.core.options import parse_options
 from methods.eagle import load_head
 from methods.eagle.drafter import EagleDrafter
@@ -29,6 +30,9 @@ __all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "export
 
 def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
+    if opts.draft_vocab:
+        raise BenchError("eagle3 drafts over its own trained draft vocabulary: draft_vocab (FR-Spec) is an "
+                         "eagle / eagle2 option")
     head, manifest = load_head(target, METHOD, opts, "eagle3")
     return LoopDecoder(target, EagleDrafter(target, head, dynamic_tree(opts), name=METHOD), manifest["info"])
 

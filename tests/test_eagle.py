@@ -294,3 +294,50 @@ def test_dynamic_tree_keeps_the_best_scoring_nodes(default_target, one_thread):
     assert len(levels) == 3
     assert draft.tokens == [tokens[n] for n in order]
     assert draft.parents == [order.index(parents[n]) if parents[n] >= 0 else -1 for n in order]
+
+
+def test_fr_spec_drafts_only_frequent_tokens_and_stays_lossless(default_target, one_thread, tmp_path, monkeypatch):
+    """FR-Spec (draft_vocab=N on eagle / eagle2): the N most frequent tokens of the target's own
+    distilled replies, EOS kept; the head drafts only those; the output is AR's; the run records
+    where they were counted; eagle3 refuses the option."""
+    import gzip
+
+    from bench import registry
+    from bench.core.training import distill
+    from methods.eagle.fr_spec import frequent_tokens
+
+    target = default_target
+    folder = tmp_path / "distilled" / target.name / "bfloat16-test"
+    folder.mkdir(parents=True)
+    # replies: token 100 five times, 200 four, 300 three, 400 twice; the prompt tokens (7) never count
+    rows = [{"tokens": [7, 7, 7, 100, 100, 200, 300, 400], "reply_spans": [[3, 8]]},
+            {"tokens": [7, 100, 100, 100, 200, 200, 200, 300, 300, 400], "reply_spans": [[1, 10]]}]
+    with gzip.open(folder / "shard_00000.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    (folder / "index.json").write_text(json.dumps({
+        "target": target.name, "target_fingerprint": target.fingerprint,
+        "shards": [{"shard": 0, "file": "shard_00000.jsonl.gz", "reply_tokens": 14}]}))
+    monkeypatch.setattr(distill, "SHIPPED_ROOTS", [tmp_path / "distilled"])
+    eos = set(target.eos_token_ids)
+    ids, source = frequent_tokens(target, len(eos) + 3)
+    assert ids.tolist() == sorted(eos | {100, 200, 300})
+    assert source == {"size": len(eos) + 3, "counted_in": "bfloat16-test", "reply_tokens": 14, "coverage": 0.8571}
+
+    ids, _ = frequent_tokens(target, 512)  # the rest by id among tokens never seen
+    head = random_head(target, "eagle1")
+    drafter = EagleDrafter(target, head, TreeSettings(total_token=10, depth=3, top_k=3), vocab=ids)
+    assert drafter.lm_head.shape == (512, target.config.hidden_size)
+    prompt = prompt_of(target)
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(0.0))
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda state: proposed.append(draft := propose(state)) or draft
+    reference = decode(target.engine, Drafter(), prompt, config).tokens
+    assert decode(target.engine, drafter, prompt, config).tokens == reference
+    assert proposed and {t for d in proposed for t in d.tokens} <= set(ids.tolist())
+
+    for method in ("eagle", "eagle2"):  # the shipped head; the run's records say where the vocabulary came from
+        decoder = registry.build_decoder(method, target, registry.resolve_options(method, {"draft_vocab": "64"}))
+        assert decoder.info["fr_spec"]["counted_in"] == "bfloat16-test" and decoder.drafter.lm_head.shape[0] == 64
+    with pytest.raises(BenchError, match="own trained draft vocabulary"):
+        registry.build_decoder("eagle3", target, {"draft_vocab": 512})

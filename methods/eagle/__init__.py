@@ -56,7 +56,9 @@ class Options(DraftOptions):
     paths: an explicit static tree, e.g. "0;1;0.0;0.1" (overrides tree_nodes); dtype: the
     head's and its lm_head's compute dtype, bfloat16 by default (a draft level reads the
     whole lm_head, so half the bytes is about half the time; the drafter only proposes, so
-    its precision changes acceptance, never the output).
+    its precision changes acceptance, never the output); draft_vocab: FR-Spec, draft over
+    the N most frequent tokens of the target's replies (methods/eagle/fr_spec.py; 0: the
+    whole vocabulary, EAGLE's convention).
 
     --budget K: tree_nodes = K (paths may not be given)."""
 
@@ -64,6 +66,7 @@ class Options(DraftOptions):
     tree_nodes: int = option(DEFAULT_STATIC_NODES, min=1)
     paths: str | None = None
     dtype: Dtype = "bfloat16"
+    draft_vocab: int = option(0, min=0)
 
     def __post_init__(self) -> None:
         if self.paths is not None:
@@ -125,10 +128,22 @@ def static_tree(manifest: dict, options: Options) -> TreeSettings:
     return TreeSettings(mode="static", paths=paths)
 
 
+def draft_vocabulary(target, options, info: dict) -> torch.Tensor | None:
+    """FR-Spec's token ids for options.draft_vocab > 0 (recorded in the run's drafter info), else None."""
+    if not options.draft_vocab:
+        return None
+    from methods.eagle.fr_spec import frequent_tokens
+
+    ids, source = frequent_tokens(target, options.draft_vocab)
+    info["fr_spec"] = source
+    return ids
+
+
 def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
     head, manifest = load_head(target, METHOD, opts, "eagle1")
-    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, opts), name=METHOD),
+    vocab = draft_vocabulary(target, opts, manifest["info"])
+    return LoopDecoder(target, EagleDrafter(target, head, static_tree(manifest, opts), name=METHOD, vocab=vocab),
                        manifest["info"])
 
 

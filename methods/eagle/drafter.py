@@ -92,16 +92,22 @@ class _Tree:
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, target, head: EagleHead, tree: TreeSettings, name: str = "eagle") -> None:
+    """`vocab`: EAGLE-1/2 draft over these target ids only (FR-Spec, methods/eagle/fr_spec.py);
+    None: the whole vocabulary (EAGLE-3: its own draft vocabulary)."""
+
+    def __init__(self, target, head: EagleHead, tree: TreeSettings, name: str = "eagle",
+                 vocab: Tensor | None = None) -> None:
         self.name = name
         self.head = head.eval().requires_grad_(False)
         self.tree = tree
         self.taps = tuple(head.config.taps)
         self.dtype = head.q_proj.weight.dtype
         self.embed = target.engine.embed
-        # EAGLE-1/2 project with the target's lm_head; a copy in the head's dtype (bf16 by
-        # default) halves the bytes each draft level reads.
-        self.lm_head = target.engine.lm_head.to(self.dtype)
+        # EAGLE-1/2 project with the target's lm_head (its `vocab` rows); a copy in the head's
+        # dtype (bf16 by default) halves the bytes each draft level reads.
+        lm_head = target.engine.lm_head
+        self.vocab = None if vocab is None else vocab.to(lm_head.device)
+        self.lm_head = (lm_head if self.vocab is None else lm_head[self.vocab]).to(self.dtype)
         self.cache = head.new_cache()
         self.context_rows = 0  # cache rows that are context (the rest are last round's tree)
         self.pending: tuple[list[Tensor], list[int]] = ([], [])  # features and next tokens not yet in the cache
@@ -126,6 +132,8 @@ class EagleDrafter(Drafter):
         logits = self.head.logits(out, self.lm_head).float()
         if self.head.config.kind == "eagle3":
             return logits.log_softmax(-1), self.head.draft_to_target
+        if self.vocab is not None:
+            return logits.log_softmax(-1), self.vocab
         return logits.log_softmax(-1), torch.arange(logits.shape[-1], device=logits.device)
 
     def _extend_context(self) -> Tensor:

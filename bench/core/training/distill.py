@@ -350,6 +350,28 @@ class DistilledData:
                         yield number, row_number, json.loads(line)
 
 
+def find_distilled(target) -> Path:
+    """The target's distilled-data folder with the most reply tokens (cache and shipped roots)."""
+    found = []
+    for index in (i for root in distill_roots() for i in sorted((root / target.name).glob("*/index.json"))):
+        folder = DistilledData(index.parent)
+        if folder.index.get("target_fingerprint") == target.fingerprint and folder.reply_tokens:
+            found.append((folder.reply_tokens, str(index.parent)))
+    if not found:
+        raise BenchError(f"no self-distilled data for target '{target.name}': run `bench distill` first")
+    return Path(max(found)[1])
+
+
+def reply_token_counts(folder: Path, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the target's own replies (every finished shard)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in DistilledData(folder).rows():
+        tokens = torch.tensor(row["tokens"], dtype=torch.long)
+        for start, end in row["reply_spans"]:
+            counts += torch.bincount(tokens[start:end], minlength=vocab_size)
+    return counts
+
+
 def distill_status() -> str:
     """One line per distilled-data folder (cache and shipped): shards done, reply tokens,
     the conversations' share, and the logged throughput."""

@@ -247,21 +247,12 @@ def with_distilled_folder(target, data: FeatureData) -> FeatureData:
     if not data.self_distill:
         return data
 
-    from bench.core.training.distill import DistilledData
+    from bench.core.training.distill import DistilledData, find_distilled
 
     if data.distilled:
         DistilledData(Path(data.distilled))  # readable, or a one-line error
         return replace(data, distilled=str(Path(data.distilled).resolve()))
-    from bench.core.training.distill import distill_roots
-
-    found = []
-    for index in (i for root in distill_roots() for i in sorted((root / target.name).glob("*/index.json"))):
-        folder = DistilledData(index.parent)
-        if folder.index.get("target_fingerprint") == target.fingerprint and folder.reply_tokens:
-            found.append((folder.reply_tokens, str(index.parent)))
-    if not found:
-        raise BenchError(f"no self-distilled data for target '{target.name}': run `bench distill` first")
-    return replace(data, distilled=max(found)[1])
+    return replace(data, distilled=str(find_distilled(target)))
 
 
 def _extract_shard(engine, sequences: list[tuple[Tensor, Tensor]], taps: tuple[int, ...]) -> dict[str, Tensor]:
