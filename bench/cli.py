@@ -9,6 +9,7 @@ import sys
 import click
 
 from bench.core.errors import BenchError
+from bench.core.options import option_pairs
 from bench.tune import CANDIDATES
 
 
@@ -48,19 +49,6 @@ def _under_jemalloc() -> None:
 @click.group(cls=_Group)
 def main() -> None:
     """Speculative decoding benchmark harness."""
-
-
-def _parse_options(pairs: tuple[str, ...]) -> dict:
-    options = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise BenchError(f"--option takes key=value, got '{pair}'")
-        key, value = pair.split("=", 1)
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
 
 
 @main.command()
@@ -109,7 +97,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype,
         limit=limit, per_category=per_category, categories=tuple(categories), tag=tag, data_dir=data_dir,
         results_dir=results_dir, baseline=not no_baseline, budget=budget, batch_size=batch_size,
-        method_options=_parse_options(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
+        method_options=option_pairs(options) | ({"drafter": os.path.abspath(drafter)} if drafter else {}))
     if drafter:
         from bench.registry import get_method
 
@@ -186,7 +174,7 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
-        options=_parse_options(options), precision=precision, keep_at=keep, epochs=epochs)
+        options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")

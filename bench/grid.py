@@ -39,6 +39,7 @@ from pathlib import Path
 import click
 
 from bench.core.errors import BenchError
+from bench.core.options import option_pairs
 from bench.records import BASELINE, RunFile, check_tag, records_path, revision_tag
 from bench.tune import AUTO, check_tuned_drafter, parse_budget, tuned_budget
 
@@ -160,10 +161,11 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
              dry_run: bool = False, echo=print, repeats: int = 1, remeasure_contended: bool = False,
              remeasure_stale: bool = False,
              budget: int | str | None = None, ray: str | None = None, ray_cpus_per_cell: int | None = None,
-             temperature: float = 0.0) -> list[Cell]:
+             temperature: float = 0.0, method_options: dict | None = None) -> list[Cell]:
     """Run (or skip, or resume) every cell, `repeats` passes; returns the cells with their status.
     `remeasure_contended` / `remeasure_stale`: set aside a method's records with contended turns /
     recorded long before or after the tag's shared baseline, and run the cell again.
+    `method_options`: every method's --option pairs (each selected method must take them).
     `temperature`: every cell's sampling temperature (0: greedy; seeds per turn, as bench run).
     `budget`: every method's --budget (draft tokens verified per round; "auto": each method's own,
     from this machine's `bench tune` record). `ray`: a Ray cluster's
@@ -174,8 +176,9 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     from bench.run import RunSettings, check_device, record_settings, run
     from tasks import load_task, task_name
 
-    for method in methods:  # a typo, or a budget a method cannot take, fails before anything loads
-        resolve_options(method, {}, 1 if budget == AUTO else budget)
+    method_options = method_options or {}
+    for method in methods:  # a typo, or an option or budget a method cannot take, fails before anything loads
+        resolve_options(method, method_options, 1 if budget == AUTO else budget)
     check_device(device)
     if ray:
         from bench.grid_ray import CellJob, RayCells, check_address
@@ -234,7 +237,8 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
                                    device=device, dtype=dtype, limit=selection.get("limit"),
                                    per_category=selection.get("per_category"), tag=tag, data_dir=data_dir,
                                    results_dir=results_dir, repeat=repeat, budget=own_budget,
-                                   budget_from=tuned.get("file") if tuned else None, temperature=temperature)
+                                   budget_from=tuned.get("file") if tuned else None, temperature=temperature,
+                                   method_options=dict(method_options))
             try:
                 if tuned and "error" in tuned:
                     raise BenchError(tuned["error"])
@@ -340,10 +344,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
               help="with --ray: cores (and torch threads) per cell (default: this process's torch threads; 1 on CUDA)")
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="sampling temperature of every cell (the sampled series: default tag <grid>-t<T>)")
+@click.option("--option", "options", multiple=True,
+              help="method option key=value for every selected method (repeatable; use its own --tag)")
 @click.option("--dry-run", is_flag=True, help="say what would run; run nothing, write nothing")
 def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype, data_dir, results_dir,
          repeats, remeasure_contended, remeasure_stale, budget, ray_address, ray_cpus_per_cell, temperature,
-         dry_run) -> None:
+         options, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
     try:
         check_tag(tag, revision_ok=False)
@@ -360,7 +366,8 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
                          device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
                          repeats=repeats, remeasure_contended=remeasure_contended,
                          remeasure_stale=remeasure_stale, budget=budget, ray=ray_address,
-                         ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature)
+                         ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature,
+                         method_options=option_pairs(options))
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -723,3 +723,22 @@ def test_the_profile_block_reads_every_figure_from_the_kept_records(tmp_path):
     assert "top-2 trees of 8 / 16 nodes: 2.07 / 3.26" in block
     assert "t_v(16)/t_v(1) >= 2.00 here" in block and "draft ms per round: pld 0.2" in block
     assert profile_block([]) == "No `bench profile` record."
+
+
+def test_grid_options_reach_every_cell_and_are_checked_first(tmp_path, tiny_task, fake_bench):
+    """`python -m bench.grid --option k=v`: every selected method runs with it (recorded in its
+    settings); an option one of them does not take fails before anything runs."""
+    from bench.grid import run_grid
+    from bench.records import RunFile
+    from tasks import task_name
+
+    results = tmp_path / "results"
+    cells = run_grid({str(tiny_task): {}}, ["pld"], "opt", str(results), 8, echo=lambda line: None,
+                     method_options={"max_ngram": 2})
+    assert [c.status for c in cells if c.method == "pld"] == ["ran"]
+    run = RunFile(results / TARGET / task_name(str(tiny_task)) / "pld-opt.jsonl")
+    assert run.settings["method_options"] == {"max_ngram": 2}
+    with pytest.raises(BenchError, match="max_ngram"):
+        run_grid({str(tiny_task): {}}, ["pld", "lookahead"], "opt2", str(results), 8, echo=lambda line: None,
+                 method_options={"max_ngram": 2})
+    assert fake_bench == ["opt"]

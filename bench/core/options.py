@@ -196,6 +196,20 @@ def convert(value: Any, tp: Any, meta: dict) -> Any:
     raise _Bad
 
 
+def option_pairs(pairs: tuple[str, ...]) -> dict:
+    """`--option key=value` pairs as a dict; a value that reads as JSON is that value."""
+    options = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise BenchError(f"--option takes key=value, got '{pair}'")
+        key, value = pair.split("=", 1)
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
 def parse_options(cls: type, raw: Any, method: str, budget: int | None = None) -> Any:
     """An instance of the frozen dataclass `cls` from `raw` ({key: value}, or already an
     instance), with `--budget` mapped through `cls.budget_knobs`. Bad input: one BenchError line."""
