@@ -118,15 +118,16 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
 @click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
+@click.option("--method", "methods", multiple=True, help="only these methods (repeatable)")
 @click.option("--readme", "block", default=None, metavar="NAME",
               help="also write the table between the '<!-- NAME:start -->' and ':end' markers of --readme-path")
 @click.option("--readme-path", default=str(RESULTS_README), show_default=True)
-def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...], block: str | None,
-         readme_path: str) -> None:
+def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str, ...], methods: tuple[str, ...],
+         block: str | None, readme_path: str) -> None:
     rows = []
     for tag in tags or (None,):
         rows += [dict(row, tag=tag) for row in summary_rows(Path(results_dir), target, tag)
-                 if not tasks or row["task"] in tasks]
+                 if (not tasks or row["task"] in tasks) and (not methods or row["method"] in methods)]
     if not rows:
         raise click.ClickException(f"no records for target '{target}' with tag(s) {', '.join(map(str, tags)) or '-'}"
                                    f" under {results_dir}")

@@ -453,6 +453,10 @@ def test_summary_table_into_readme(tmp_path):
     missing = CliRunner().invoke(summary_main, args[:4] + ["--tag", "nope", "--readme", "grid",
                                                            "--readme-path", str(readme)])
     assert missing.exit_code != 0 and "no records" in missing.output and readme.read_text() == text
+    only = CliRunner().invoke(summary_main, args[:6] + ["--method", "pld", "--task", "gsm8k"])
+    assert only.exit_code == 0 and "| gsm8k | pld |" in only.output and "| mtbench |" not in only.output
+    none = CliRunner().invoke(summary_main, args[:6] + ["--method", "eagle"])
+    assert none.exit_code != 0 and "no records" in none.output
 
 
 def test_repeats_pool_and_pair_within_their_pass(tmp_path):
