@@ -9,6 +9,7 @@ Goals follow the literature's orderings at the papers' training scales (methods/
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -22,6 +23,10 @@ TAU_AT_LEAST_OTHER = [("dflash", "eagle3", 1.0, ("humaneval", "gsm8k")),  # DFla
 TAU_ORDER = ("eagle3", "eagle2", "eagle")  # strictly decreasing τ on every task
 SPEEDUP_ABOVE_ONE = ("eagle2", "eagle3", "dflash", "ddtree", "dspark")
 HELDOUT_TOP1 = {"sps": 0.6}  # the drafter's held-out top-1 agreement at draft position 0 (its manifest)
+# The decode path's goals on a native-bf16 CPU with 2 threads, read from `bench profile` records.
+CPU_STEP_OVER_MEMORY_LIMIT = 1.6  # the one-token step at most this multiple of weight bytes / read bandwidth
+CPU_OVER_HF_GENERATE = 1.8  # the one-token step at least this much faster than transformers.generate
+CPU_VERIFY_16 = 1.3  # t_v(16) / t_v(1) at most this
 
 
 def tau_goal(method: str, task: str) -> float | None:
@@ -106,12 +111,51 @@ def _heldout_top1(folder: str) -> float | None:
     return float(agreement[0]) if agreement else None
 
 
+def profile_goals(profiles: list[dict]) -> list[dict]:
+    """The CPU decode path's goals, one row per goal and kept bf16 two-thread CPU profile (its
+    file name in the task column): the step against the memory-bound limit and against
+    transformers.generate, and t_v(16)/t_v(1) beside the least the measured matmul rate allows."""
+    rows = []
+    for profile in profiles:
+        prov = profile.get("provenance") or {}
+        chain = {r["k"]: r["median_s"] for r in profile.get("rows", []) if r.get("kind") == "chain"}
+        if profile.get("dtype") != "bfloat16" or prov.get("torch_threads") != 2 or 1 not in chain \
+                or "cuda" in str(prov.get("device_name", "")).lower():
+            continue
+        where = Path(profile["path"]).stem
+        over = (profile.get("memory_bound") or {}).get("step_over_limit")
+        if over is not None:
+            rows.append(_row(f"CPU one-token step ≤ {CPU_STEP_OVER_MEMORY_LIMIT:g}x the memory-bound limit", where,
+                             f"{over:.2f}x", over <= CPU_STEP_OVER_MEMORY_LIMIT, over_what=MACHINES))
+        hf = (profile.get("hf_generate") or {}).get("step_s")
+        if hf:
+            faster = hf / chain[1]
+            rows.append(_row(f"CPU one-token step ≥ {CPU_OVER_HF_GENERATE:g}x faster than transformers.generate",
+                             where, f"{faster:.2f}x", faster >= CPU_OVER_HF_GENERATE, over_what=MACHINES))
+        if 16 in chain:
+            ratio, least = chain[16] / chain[1], (profile.get("compute_bound") or {}).get("least_ratio_to_k1")
+            note = "" if least is None else (f"the measured matmul rate allows no less than {least:.2f} here"
+                                             + (": out of reach on this CPU" if least > CPU_VERIFY_16 else ""))
+            rows.append(_row(f"CPU t_v(16)/t_v(1) ≤ {CPU_VERIFY_16:g}", where, f"{ratio:.2f}",
+                             ratio <= CPU_VERIFY_16, note, over_what=MACHINES))
+    return rows
+
+
+MACHINES = "machines"  # a goal checked per kept hardware profile, not per task
+
+
+def _row(goal: str, task: str, measured: str, met: bool | None, note: str = "", over_what: str = "tasks") -> dict:
+    status = ("not run" if measured == "-" else "not measured") if met is None else ("met" if met else "missed")
+    return {"goal": goal, "task": task, "measured": measured, "status": status, "note": note, "over": over_what}
+
+
 def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
-                tuned: pd.DataFrame | None = None) -> pd.DataFrame:
+                tuned: pd.DataFrame | None = None, profiles: list[dict] | None = None) -> pd.DataFrame:
     """One row per goal and task: the measured value, met or missed (by how much), and for a
     missed τ goal what the scaling fit says more data would do. One series per table: the
     caller selects it (the newest revision of the grid). `tuned`: the per-task table of the
-    grid run at each method's tuned budget (`--budget auto`), whose speedups are checked too."""
+    grid run at each method's tuned budget (`--budget auto`), whose speedups are checked too.
+    `profiles`: the kept `bench profile` records, for the CPU decode path's goals."""
     if per_task.empty:
         return pd.DataFrame()
     rows = []
@@ -119,8 +163,7 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
     ran = set(per_task["method"])
 
     def add(goal: str, task: str, measured: str, met: bool | None, note: str = "") -> None:
-        status = ("not run" if measured == "-" else "not measured") if met is None else ("met" if met else "missed")
-        rows.append({"goal": goal, "task": task, "measured": measured, "status": status, "note": note})
+        rows.append(_row(goal, task, measured, met, note))
 
     for method, goal in HELDOUT_TOP1.items():
         runs = per_task.loc[per_task["method"] == method, "drafter_run"].dropna() if "drafter_run" in per_task \
@@ -177,6 +220,7 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
         add("every method 100% exact against AR", task, f"{len(group) - len(inexact)} of {len(group)} methods",
             inexact.empty, "; ".join([f"{r.method}: {r.mismatches} mismatched turns" for r in inexact.itertuples()]
                                      + [f"{r.method}: {r.near_ties} near ties" for r in ties.itertuples()]))
+    rows += profile_goals(profiles or [])
     return pd.DataFrame(rows)
 
 
@@ -189,7 +233,7 @@ def goals_summary(frame: pd.DataFrame) -> str:
     for goal, group in frame.groupby("goal", sort=False):
         met, missed = group[group["status"] == "met"], group[group["status"] == "missed"]
         unmeasured = group[group["status"].isin(["not run", "not measured"])]
-        text = f"- {goal}: met on {len(met)} of {len(group)} tasks"
+        text = f"- {goal}: met on {len(met)} of {len(group)} {group['over'].iloc[0] if 'over' in group else 'tasks'}"
         if not missed.empty:
             text += "; missed on " + ", ".join(f"{r.task} ({r.measured})" for r in missed.itertuples())
         if not unmeasured.empty:

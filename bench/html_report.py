@@ -145,7 +145,9 @@ def _goals(goals: pd.DataFrame) -> str:
     """The goals (bench/goals.py) are stated for the grid's series: a report without it has no such section."""
     return ("<p>The drafters' goals against the grid's greedy series, per task. A missed τ goal gives the "
             "tokens at which the line fitted to the scaling runs (<code>make scaling-runs</code>) reaches it, an "
-            "extrapolation, not a promise.</p>" + _table(goals))
+            "extrapolation, not a promise. The CPU decode path's goals are checked per kept two-thread bf16 "
+            "hardware profile (<code>bench profile</code>; its file in the task column).</p>"
+            + _table(goals.drop(columns=["over"], errors="ignore")))
 
 
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,

@@ -135,9 +135,11 @@ def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
     return scaling_fit(scaling_rows(summarize(records, "task")))
 
 
-def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None) -> pd.DataFrame | None:
+def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
+             profiles: list[dict] | None = None) -> pd.DataFrame | None:
     """The goals table (bench.goals) of the grid's series in the selection, with the speedups
-    of the tuned series (`tuned`, --tuned-tag) checked too; None without a grid series."""
+    of the tuned series (`tuned`, --tuned-tag) and the CPU decode path's (the kept hardware
+    `profiles`) checked too; None without a grid series."""
     per_task = tables.per_task
     if per_task.empty:
         return None
@@ -145,7 +147,7 @@ def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None) -> 
     if not series:
         return None
     return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir),
-                       tuned.per_task if tuned is not None else None)
+                       tuned.per_task if tuned is not None else None, profiles)
 
 
 DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
@@ -225,7 +227,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
             csv_table(earlier).to_csv(written[-1], index=False)
         figures = make_figures(records, tables, stage, load)
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
-        goals = goals_of(tables, Path(results_dir), tuned)
+        goals = goals_of(tables, Path(results_dir), tuned, records.profiles)
         if goals is not None and not goals.empty:
             written.append(stage / "tables" / "goals.csv")
             goals.to_csv(written[-1], index=False)

@@ -603,6 +603,28 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path):
     assert set(lonely[lonely["goal"] == "mtp τ ≥ 2"]["status"]) == {"not run"}
     assert "- mtp τ ≥ 2: met on 0 of 1 tasks; not measured on mtbench" in goals_summary(lonely)
 
+    # The CPU decode path's goals, from bf16 two-thread profiles (others are not what the goals are stated for).
+    def profile(name, step, over, hf, v16, least, dtype="bfloat16", threads=2):
+        rows = [{"kind": "chain", "k": 1, "median_s": step}, {"kind": "chain", "k": 16, "median_s": step * v16}]
+        return {"path": f"/r/{name}.json", "dtype": dtype, "rows": rows, "provenance": {"torch_threads": threads},
+                "memory_bound": {"step_over_limit": over}, "hf_generate": {"step_s": step * hf},
+                "compute_bound": {"k": 16, "least_ratio_to_k1": least}}
+
+    profiles = [profile("amx", 0.01, 1.5, 2.0, 1.25, 0.6), profile("epyc", 0.008, 1.7, 4.0, 2.24, 1.9),
+                profile("fp32", 0.03, 3.0, 1.0, 2.0, 1.0, dtype="float32"),
+                profile("t1", 0.01, 1.5, 2, 1.2, 1, threads=1)]
+    cpu = goals_table(per_task, fit, profiles=profiles)
+    status = {(r.goal, r.task): (r.status, r.measured, r.note) for r in cpu.itertuples()}
+    assert status[("CPU one-token step ≤ 1.6x the memory-bound limit", "amx")][:2] == ("met", "1.50x")
+    assert status[("CPU one-token step ≤ 1.6x the memory-bound limit", "epyc")][:2] == ("missed", "1.70x")
+    assert status[("CPU one-token step ≥ 1.8x faster than transformers.generate", "epyc")][:2] == ("met", "4.00x")
+    assert status[("CPU t_v(16)/t_v(1) ≤ 1.3", "amx")] == (
+        "met", "1.25", "the measured matmul rate allows no less than 0.60 here")
+    assert status[("CPU t_v(16)/t_v(1) ≤ 1.3", "epyc")] == (
+        "missed", "2.24", "the measured matmul rate allows no less than 1.90 here: out of reach on this CPU")
+    assert not [task for _, task in status if task in ("fp32", "t1")]
+    assert "- CPU t_v(16)/t_v(1) ≤ 1.3: met on 1 of 2 machines; missed on epyc (2.24)" in goals_summary(cpu)
+
 
 def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):
     """`python -m bench.grid --temperature 1`: its own series (tag grid-t1), every cell's
