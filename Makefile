@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,16 @@ all-results: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
 	  --tuned-tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
+	$(MAKE) frspec
+
+# FR-Spec for EAGLE-1/2 (methods/eagle/fr_spec.py): the grid's suites at their defaults and at budget 1,
+# beside the same methods without it (results/README.md's `frspec` block).
+FRSPEC := $(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --method eagle --method eagle2 --option draft_vocab=16384
+frspec: $(STAMP)
+	$(FRSPEC) --tag $(GRID_TAG)-frspec
+	$(FRSPEC) --budget 1 --tag $(GRID_TAG)-frspec-b1
+	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --tag $(GRID_TAG)-frspec --tag $(GRID_TAG)-auto \
+	  --tag $(GRID_TAG)-frspec-b1 --method eagle --method eagle2 --readme frspec --readme-path results/README.md
 
 # Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
 # (tags b4/b8/b16, `--budget k`: k draft tokens verified per round, each method's own knobs set from
