@@ -229,14 +229,22 @@ static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, 
     for (int64_t p = 0; p < width; ++p) tile[w0 + p] = r[p];
   }
 }
+static inline vec dp_pair(vec acc, const tile_t* tile, const bf16* q, int64_t p) {
+  int32_t pair;
+  std::memcpy(&pair, q + 2 * p, sizeof(pair));
+  return _mm512_dpbf16_ps(acc, (__m512bh)tile[p], (__m512bh)_mm512_set1_epi32(pair));
+}
+// Pair p into chain p % 4: four short chains, named so they stay in registers (d / 2 is a
+// multiple of 8: check_heads).
 static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
-  vec acc[4] = {vzero(), vzero(), vzero(), vzero()};  // pair p into acc[p % 4]: four short chains
-  for (int64_t p = 0; p < d / 2; ++p) {
-    int32_t pair;
-    std::memcpy(&pair, q + 2 * p, sizeof(pair));
-    acc[p % 4] = _mm512_dpbf16_ps(acc[p % 4], (__m512bh)tile[p], (__m512bh)_mm512_set1_epi32(pair));
+  vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (int64_t p = 0; p < d / 2; p += 4) {
+    a0 = dp_pair(a0, tile, q, p);
+    a1 = dp_pair(a1, tile, q, p + 1);
+    a2 = dp_pair(a2, tile, q, p + 2);
+    a3 = dp_pair(a3, tile, q, p + 3);
   }
-  return vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]));
+  return vadd(vadd(a0, a1), vadd(a2, a3));
 }
 #else
 using tile_t = __m256;  // dimension p of 8 slots, fp32
@@ -254,10 +262,16 @@ static inline void load_tile(const bf16* k, int64_t slot_stride, int64_t valid, 
     tile[2 * p + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
   }
 }
+// Dimension i into chain i % 4, named so they stay in registers (d is a multiple of 8).
 static inline vec tile_scores(const tile_t* tile, const bf16* q, int64_t d) {
-  vec acc[4] = {vzero(), vzero(), vzero(), vzero()};  // dimension i into acc[i % 4]
-  for (int64_t i = 0; i < d; ++i) acc[i % 4] = vfmadd(vset1(static_cast<float>(q[i])), tile[i], acc[i % 4]);
-  return vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]));
+  vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (int64_t i = 0; i < d; i += 4) {
+    a0 = vfmadd(vset1(static_cast<float>(q[i])), tile[i], a0);
+    a1 = vfmadd(vset1(static_cast<float>(q[i + 1])), tile[i + 1], a1);
+    a2 = vfmadd(vset1(static_cast<float>(q[i + 2])), tile[i + 2], a2);
+    a3 = vfmadd(vset1(static_cast<float>(q[i + 3])), tile[i + 3], a3);
+  }
+  return vadd(vadd(a0, a1), vadd(a2, a3));
 }
 #endif
 
@@ -275,6 +289,53 @@ struct Rows {
   const bool* vis;
   int64_t vis_token, tokens, group, g_begin, g_end;
 };
+
+// out[g] = sum_i w[g][i] v(order[i]) * inv[g] for gn heads, the sums over i in order. With
+// compile-time GN heads and CH vectors per head the accumulators are named registers; the
+// runtime form takes any head_dim. Both add the same products in the same order.
+template <int GN, int CH>
+static void weighted_values_fixed(const int32_t* order, int64_t count, const float* const* w, float* const* out,
+                                  const float* inv, const bf16* vh, int64_t vs_slot) {
+  vec acc[GN][CH];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = vzero();
+  for (int64_t i = 0; i < count; ++i) {
+    const bf16* vr = vh + order[i] * vs_slot;
+    vec wv[GN];
+    for (int g = 0; g < GN; ++g) wv[g] = vset1(w[g][i]);
+    for (int c = 0; c < CH; ++c) {
+      const vec v = vload_bf16(vr + c * LANES);
+      for (int g = 0; g < GN; ++g) acc[g][c] = vfmadd(wv[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < CH; ++c) vstore(out[g] + c * LANES, vmul(acc[g][c], vset1(inv[g])));
+}
+
+static void weighted_values(const int32_t* order, int64_t count, const float* const* w, float* const* out,
+                            const float* inv, int64_t gn, int64_t chunks, const bf16* vh, int64_t vs_slot) {
+  if (chunks * LANES == 64) {  // head_dim 64 (Llama-style small models)
+    constexpr int CH = 64 / LANES;
+    switch (gn) {
+      case 4: return weighted_values_fixed<4, CH>(order, count, w, out, inv, vh, vs_slot);
+      case 3: return weighted_values_fixed<3, CH>(order, count, w, out, inv, vh, vs_slot);
+      case 2: return weighted_values_fixed<2, CH>(order, count, w, out, inv, vh, vs_slot);
+      default: return weighted_values_fixed<1, CH>(order, count, w, out, inv, vh, vs_slot);
+    }
+  }
+  vec acc[4][MAXC];
+  for (int64_t g = 0; g < gn; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = vzero();
+  for (int64_t i = 0; i < count; ++i) {
+    const bf16* vr = vh + order[i] * vs_slot;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const vec v = vload_bf16(vr + c * LANES);
+      for (int64_t g = 0; g < gn; ++g) acc[g][c] = vfmadd(vset1(w[g][i]), v, acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < gn; ++g)
+    for (int64_t c = 0; c < chunks; ++c) vstore(out[g] + c * LANES, vmul(acc[g][c], vset1(inv[g])));
+}
 
 // One task's attention over `span` slots of one K/V head. Each slot's key and value are
 // widened once for every row that sees it; a row's sums run over its own slots in slot order,
@@ -354,23 +415,15 @@ static void attend_rows(const Rows& r, const bf16* kh, int64_t ks_slot, const bf
     const int32_t* order = slots.data() + t * span;
     for (int64_t g0 = r.g_begin; g0 < r.g_end; g0 += 4) {  // up to 4 heads x 4 vectors of accumulators in registers
       const int64_t gn = std::min<int64_t>(4, r.g_end - g0);
-      vec acc[4][MAXC];
-      for (int64_t g = 0; g < gn; ++g)
-        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = vzero();
       const float* w[4];
-      for (int64_t g = 0; g < gn; ++g) w[g] = row_weights(t, g0 + g);
-      for (int64_t i = 0; i < count[t]; ++i) {
-        const bf16* vr = vh + order[i] * vs_slot;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const vec v = vload_bf16(vr + c * LANES);
-          for (int64_t g = 0; g < gn; ++g) acc[g][c] = vfmadd(vset1(w[g][i]), v, acc[g][c]);
-        }
-      }
+      float* out[4];
+      float inv[4];
       for (int64_t g = 0; g < gn; ++g) {
-        const vec inv = vset1(1.0f / total[t][g0 + g]);
-        float* out = r.out + t * r.out_token + (g0 + g) * r.out_head;
-        for (int64_t c = 0; c < chunks; ++c) vstore(out + c * LANES, vmul(acc[g][c], inv));
+        w[g] = row_weights(t, g0 + g);
+        out[g] = r.out + t * r.out_token + (g0 + g) * r.out_head;
+        inv[g] = 1.0f / total[t][g0 + g];
       }
+      weighted_values(order, count[t], w, out, inv, gn, chunks, vh, vs_slot);
     }
   }
 }
