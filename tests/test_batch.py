@@ -219,3 +219,37 @@ def test_batched_sampling_follows_the_target_distribution(default_target, one_th
     assert chi_square_pvalue(counts, joint(1.0)) > ALPHA
     assert chi_square_pvalue(counts.sum(1), joint(1.0).sum(1)) > ALPHA
     assert chi_square_pvalue(counts, joint(0.8)) < ALPHA
+
+
+def test_the_cyclic_gc_is_paused_while_a_turn_decodes_and_restored_after(default_target, one_thread):
+    """Decoding (batch 1 and batched) runs with Python's cyclic GC off, so no collection lands
+    inside a timed round; the GC's state before the call comes back after it, also on error."""
+    import gc
+
+    from bench.core.decode import Drafter, decode, decode_batch
+
+    seen = []
+
+    class Watch(Drafter):
+        def propose(self, state):
+            seen.append(gc.isenabled())
+            return super().propose(state)
+
+        def fork(self):
+            return Watch()
+
+    prompt = chat_prompt(default_target.tokenizer, [{"role": "user", "content": "Hi"}])
+    config = DecodeConfig(max_new_tokens=4, sampling=SamplingConfig(0.0))
+    assert gc.isenabled()
+    decode(default_target.engine, Watch(), prompt, config)
+    decode_batch(default_target.engine, [Watch(), Watch()], [prompt, prompt], config)
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        decode(default_target.engine, Watch(), prompt, config)
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError):
+        decode(default_target.engine, Watch(), None, config)
+    assert gc.isenabled()

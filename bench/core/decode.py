@@ -8,7 +8,10 @@ one-token target step through exactly the same code, and timings are comparable.
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -215,9 +218,29 @@ class _Request:
             tree_sizes=self.sizes)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a turn decodes (it runs again after): its
+    collections landed inside timed rounds, a few % of a one-token CPU step, on whichever
+    round happened to trigger one (as inference servers do, e.g. vLLM's gc.freeze)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeConfig,
            generator: torch.Generator | None = None, tokenizer=None) -> TurnResult:
     """Generate one reply to `prompt` with `drafter` proposing and the target verifying."""
+    with _gc_paused():
+        return _decode(engine, drafter, prompt, config, generator, tokenizer)
+
+
+def _decode(engine: Engine, drafter: Drafter, prompt: list[int], config: DecodeConfig,
+            generator: torch.Generator | None, tokenizer) -> TurnResult:
     _sync(engine.device)
     started = time.perf_counter()
     prefill = engine.prefill(torch.tensor(prompt), taps=drafter.taps,
@@ -238,6 +261,12 @@ def decode_batch(engine: Engine, drafters: list[Drafter], prompts: list[list[int
     every live request's draft (bench.core.batch), and a finished request's slot takes the
     next prompt at once (continuous batching). Drafters are per slot, reused request after
     request as the batch-1 loop reuses its one."""
+    with _gc_paused():
+        return _decode_batch(engine, drafters, prompts, config, generators, tokenizer)
+
+
+def _decode_batch(engine: Engine, drafters: list[Drafter], prompts: list[list[int]], config: DecodeConfig,
+                  generators: list[torch.Generator | None] | None, tokenizer) -> list[TurnResult]:
     from bench.core.batch import TargetBatch
 
     generators = generators or [None] * len(prompts)
