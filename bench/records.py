@@ -142,17 +142,6 @@ def _utilization(value: object) -> bool:
                     for p in value.get("series", [])))
 
 
-def _paired_baseline(value: object) -> bool:
-    """A method turn's re-timed baseline turn (bench.run: Side.retime)."""
-    if not isinstance(value, dict):
-        return False
-    checks = {"ttft": _seconds, "decode_time": _seconds, "draft_time": _seconds, "verify_time": _seconds,
-              "tokens": _ints, "proposed_lengths": _ints, "accept_lengths": _ints, "tree_sizes": _ints,
-              "utilization": _utilization,
-              "same_tokens": lambda v: isinstance(v, bool)}
-    return all(key in value and ok(value[key]) for key, ok in checks.items())
-
-
 # What a turn record holds, one check per field: every reader (resume, report, summary, grid)
 # leaves out a turn that fails it, and RunFile never writes one.
 TURN_SCHEMA = {
@@ -169,6 +158,18 @@ TURN_SCHEMA = {
     "accept_lengths": (_ints, "a list of integers"),
     "tree_sizes": (_ints, "a list of integers"),
 }
+PAIRED_FIELDS = ("ttft", "decode_time", "draft_time", "verify_time", "tokens", "proposed_lengths",
+                 "accept_lengths", "tree_sizes")
+
+
+def _paired_baseline(value: object) -> bool:
+    """A method turn's re-timed baseline turn (bench.run: Side.retime): a turn's timing and
+    round fields, its utilization, and whether it decoded the recorded tokens."""
+    return (isinstance(value, dict) and all(k in value and TURN_SCHEMA[k][0](value[k]) for k in PAIRED_FIELDS)
+            and "utilization" in value and _utilization(value["utilization"])
+            and isinstance(value.get("same_tokens"), bool))
+
+
 OPTIONAL_SCHEMA = {
     "category": (lambda v: isinstance(v, str), "a string"),
     "prompt_len": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
