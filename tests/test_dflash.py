@@ -241,3 +241,42 @@ def test_dspark_confidence_label_greedy_trains_and_bad_labels_are_refused(defaul
     with pytest.raises(BenchError, match="confidence_label must be"):
         train_block(default_target, tiny_training(1, "dspark-bad", confidence_label="always"), "dspark",
                     DSPARK_DEFAULTS)
+
+
+def test_block_ce_labels_are_the_data_tokens_or_the_target_distribution(default_target, tiny_training, one_thread):
+    """labels=data (DFlash's default, SpecForge's CE) scores each draft against the data's
+    token at its position; labels=target against the target's softmax there; other values
+    are one line."""
+    import torch.nn.functional as F
+
+    from methods.dflash.training import train_block
+
+    model = random_model(default_target, block=4, anchor=False, draft_vocab=None)
+    lm_head = default_target.engine.lm_head.float()[model.draft_to_target]
+    width, final = 12, default_target.config.num_hidden_layers
+    torch.manual_seed(0)
+    batch = {"tokens": torch.randint(0, 1000, (1, width)), "mask": torch.ones(1, width, dtype=torch.bool),
+             "lengths": torch.tensor([width]),
+             **{f"h{t}": torch.randn(1, width, 576) for t in set(model.config.taps) | {final}}}
+    losses = {}
+    for labels in ("data", "target"):
+        objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, final,
+                                   BlockTrainSettings(block_size=4, anchors=3, labels=labels))
+        torch.manual_seed(1)  # the same anchors for both
+        loss, _ = objective.loss(batch)
+        torch.manual_seed(1)
+        out = objective.forward(batch)
+        log_p = model.logits(out["hidden"], lm_head).log_softmax(-1)
+        rows = out["slots"]
+        weights = objective.slot_weights[rows]
+        if labels == "data":
+            expected = F.nll_loss(log_p, out["label"], reduction="none")
+            drafted = model.draft_to_target[out["label"]]
+            assert torch.isin(drafted, batch["tokens"][0]).all()
+        else:
+            expected = -(F.linear(out["teacher"], lm_head).softmax(-1) * log_p).sum(-1)
+        losses[labels] = float(loss.detach())
+        assert abs(float(loss) - float((weights * expected).sum() / weights.sum())) < 1e-4
+    assert losses["data"] != losses["target"]
+    with pytest.raises(BenchError, match="labels must be"):
+        train_block(default_target, tiny_training(1, "dflash-bad", labels="soft"), "dflash")

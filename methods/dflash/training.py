@@ -10,14 +10,16 @@ Which slot predicts what is the drafter's convention (methods/dflash/model.py):
 - z-lab's (DFlash default): slot i >= 1 predicts x_{a+i}, the token at its own position;
   slot 0 (the anchor) is not scored;
 - `sample_from_anchor` (DSpark default, as its paper): slot i predicts x_{a+i+1}.
-Either way the k-th draft of a block (k = 0, 1, ..) is labelled with the target's own
-distribution at the position before its token, softmax(lm_head(h_L)), restricted to the
-draft vocabulary, and only reply tokens are scored.
+Either way the k-th draft of a block (k = 0, 1, ..) is labelled with the data's token
+there (`labels=data`, SpecForge's and DeepSpec's cross-entropy; on self-distilled data the
+target's own greedy token) or with the target's distribution at the position before it,
+softmax(lm_head(h_L)) (`labels=target`, soft distillation), restricted to the draft
+vocabulary; only reply tokens are scored.
 
 Losses, each weighted by exp(-k/decay) for the k-th draft (SpecForge's and speculators'
 decay: exp(-(i-1)/gamma) for slot i under z-lab's convention; later drafts matter less,
 being verified only if every earlier one survives):
-- DFlash: soft cross-entropy against the target's distribution.
+- DFlash: cross-entropy.
 - DSpark (its paper's eq. 9-12): 0.1 CE + 0.9 ||p_d - p_t||_1 on the Markov-corrected draft
   distribution p_d (teacher forcing: x_{i-1} is the data's token), plus
   BCE(c_i, 1 - TV(p_d, p_t)) for the confidence head, whose inputs are detached so it
@@ -56,6 +58,10 @@ class BlockTrainSettings:
     markov_rank: int = 0  # DSpark: rank of the bigram correction (0 = DFlash)
     enable_confidence_head: bool = False  # DSpark: train the confidence head
     confidence_head_with_markov: bool = True  # DSpark: the confidence head also reads W1[x_{i-1}]
+    # What the CE term pulls toward: "data" = the training data's next token (SpecForge's and
+    # DeepSpec's convention; on self-distilled data that is the target's own greedy token);
+    # "target" = the target's whole distribution at that position (soft distillation).
+    labels: str = "data"
     ce_weight: float = 1.0
     l1_weight: float = 0.0  # DSpark: 0.9
     bce_weight: float = 0.0  # DSpark: 1.0 (speculators' confidence_head_alpha)
@@ -87,6 +93,8 @@ class BlockObjective:
         vocab = model.draft_to_target
         self.in_draft_vocab = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=embed.device)
         self.in_draft_vocab[vocab.to(embed.device)] = True
+        self.draft_index = torch.zeros(model.config.vocab_size, dtype=torch.long, device=embed.device)
+        self.draft_index[vocab.to(embed.device)] = torch.arange(len(vocab), device=embed.device)
         # exp(-k/decay) for the k-th draft of a block (slot k+1 under z-lab's convention, whose
         # anchor slot drafts nothing: SpecForge's exp(-(i-1)/gamma); slot k with sample_from_anchor)
         drafts = torch.arange(model.config.drafts_per_block, dtype=torch.float32, device=embed.device)
@@ -147,6 +155,7 @@ class BlockObjective:
         final = batch[f"h{self.final_tap}"][batch_rows, rows]
         # the token before each drafted one (the Markov head's x_{i-1}): the data's, at the label row
         return {"hidden": hidden[scored], "teacher": final, "previous": batch["tokens"][batch_rows, rows],
+                "label": self.draft_index[batch["tokens"][batch_rows, rows + 1]],  # in the draft vocabulary (scored)
                 "slots": slots[scored] - c.first_draft_slot}
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
@@ -157,16 +166,22 @@ class BlockObjective:
             if out["hidden"].shape[0] == 0:
                 raise BenchError("no scored positions in a batch: the feature cache holds no replies")
             logits = model.logits(out["hidden"], self.lm_head)
-            with torch.no_grad():
-                teacher = F.linear(out["teacher"], self.lm_head).float().log_softmax(-1)
+            needs_teacher = s.labels == "target" or s.l1_weight or (model.config.enable_confidence_head
+                                                                    and s.bce_weight)
+            p_teacher = None
+            if needs_teacher:  # a third of the step's lm_head work: only where a term reads it
+                with torch.no_grad():
+                    p_teacher = F.linear(out["teacher"], self.lm_head).float().softmax(-1)
             markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
             if markov is not None:
                 logits = logits + model.markov_bias(markov).float()
             log_p = logits.log_softmax(-1)
-            p_teacher = teacher.exp()
             weights = self.slot_weights[out["slots"]]
             norm = weights.sum()
-            ce = -(p_teacher * log_p).sum(-1)
+            if s.labels == "target":
+                ce = -(p_teacher * log_p).sum(-1)
+            else:
+                ce = -log_p.gather(-1, out["label"][:, None]).squeeze(-1)
             loss = s.ce_weight * (weights * ce).sum() / norm
             metrics = {"ce": float((weights * ce).sum().detach() / norm)}
             if s.l1_weight or (model.config.enable_confidence_head and s.bce_weight):
@@ -175,7 +190,7 @@ class BlockObjective:
                 metrics["tv"] = float(0.5 * l1.detach().mean())
                 if model.config.enable_confidence_head:
                     sampled = (1 - 0.5 * l1).detach().clamp(0, 1)
-                    greedy = (logits.argmax(-1) == teacher.argmax(-1)).float()
+                    greedy = (logits.argmax(-1) == p_teacher.argmax(-1)).float()
                     label = {"sampled": sampled, "greedy": greedy, "both": 0.5 * (sampled + greedy)}[
                         s.confidence_label]
                     confidence = model.confidence_logit(out["hidden"].detach(),
@@ -184,7 +199,8 @@ class BlockObjective:
                     loss = loss + s.bce_weight * (weights * bce).sum() / norm
                     metrics["bce"] = float((weights * bce).detach().sum() / norm)
                     metrics["conf"] = float(torch.sigmoid(confidence.detach()).mean())
-        hits = (logits.argmax(-1) == teacher.argmax(-1)).float()
+        # agreement with the target's argmax (or, without it, with the data's token)
+        hits = (logits.argmax(-1) == (p_teacher.argmax(-1) if p_teacher is not None else out["label"])).float()
         # tokens: reply positions of the batch's sequences (the data consumed; the scaling figure's x)
         metrics.update(loss=float(loss.detach()), acc=float(hits.mean()), tokens=float(batch["mask"].sum()))
         for slot in (0, 1, 3, 7):
@@ -253,6 +269,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     train_settings = BlockTrainSettings(**options)
     if train_settings.block_size < 2 or train_settings.anchors < 1 or train_settings.num_layers < 1:
         raise BenchError(f"{method}: block_size must be >= 2, anchors and num_layers >= 1")
+    if train_settings.labels not in ("data", "target"):
+        raise BenchError(f"{method}: labels must be data or target, got '{train_settings.labels}'")
     if train_settings.confidence_label not in ("sampled", "greedy", "both"):
         raise BenchError(f"{method}: confidence_label must be sampled, greedy or both, "
                          f"got '{train_settings.confidence_label}'")
