@@ -134,3 +134,17 @@ def test_real_exit_code_and_one_line(tmp_path):
     assert done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown method 'nope' (choose from ar")
+
+
+@pytest.mark.parametrize("given,expected", [(None, "ACTIVE"), ("PASSIVE", "PASSIVE")])
+def test_the_harness_keeps_openmp_workers_spinning_unless_told_otherwise(given, expected):
+    """bench/__init__ sets OMP_WAIT_POLICY=ACTIVE before torch loads libgomp (scripts/omp_wait.py
+    measures why); a policy the user set is kept."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = "import os, bench, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
