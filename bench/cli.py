@@ -470,6 +470,10 @@ def ship(method, drafter, target, dtype) -> None:
     total = shipped_bytes(root)
     click.echo(f"shipped {root / name / spec.name}: {size / 1e6:.1f} MB; every shipped drafter: {total / 1e6:.1f} MB "
                f"(budget {SHIPPED_BUDGET_BYTES / 1e6:.0f} MB)")
+    shadow = user_dir(name, spec.name)
+    if source.resolve() != shadow.resolve() and (shadow / MANIFEST).is_file():
+        click.echo(f"note: runs load the user-trained drafter in {shadow} before the shipped one; move it away "
+                   "to run what was just shipped", err=True)
     if total > SHIPPED_BUDGET_BYTES:
         raise BenchError(f"the shipped drafters total {total / 1e6:.1f} MB, over the "
                          f"{SHIPPED_BUDGET_BYTES / 1e6:.0f} MB budget")

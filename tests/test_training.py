@@ -365,3 +365,31 @@ def test_bench_ship_without_a_trained_drafter_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["ship", "--method", "eagle3", "--drafter", str(tmp_path / "none")])
     assert result.exit_code != 0 and "no drafter in" in result.output and "Traceback" not in result.output
     assert CliRunner().invoke(main, ["ship", "--method", "pld"]).exit_code != 0  # nothing to ship
+
+
+def test_bench_ship_says_when_a_user_trained_drafter_would_shadow_the_shipped_one(tmp_path, monkeypatch):
+    """Runs load the user-trained drafter before the shipped one, so shipping another folder
+    while one sits there would leave every run on the older drafter: ship says so."""
+    import json
+
+    import torch
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    import methods
+    from bench.cli import main
+    from bench.core.drafters import MANIFEST, WEIGHTS, user_dir
+
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(methods, "__file__", str(tmp_path / "methods" / "__init__.py"))
+    source = tmp_path / "at-scale"
+    for folder in (source, user_dir("smollm2-135m", "eagle")):
+        folder.mkdir(parents=True)
+        save_file({"w": torch.randn(4, 4)}, str(folder / WEIGHTS))
+        (folder / MANIFEST).write_text(json.dumps({"method": "eagle"}))
+    result = CliRunner().invoke(main, ["ship", "--method", "eagle", "--drafter", str(source)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "methods" / "checkpoints" / "smollm2-135m" / "eagle" / WEIGHTS).exists()
+    assert "user-trained drafter" in result.output and str(user_dir("smollm2-135m", "eagle")) in result.output
+    own = CliRunner().invoke(main, ["ship", "--method", "eagle"])  # shipping the user's own: no note
+    assert own.exit_code == 0 and "user-trained drafter" not in own.output
