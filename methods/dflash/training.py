@@ -166,10 +166,9 @@ class BlockObjective:
             if out["hidden"].shape[0] == 0:
                 raise BenchError("no scored positions in a batch: the feature cache holds no replies")
             logits = model.logits(out["hidden"], self.lm_head)
-            needs_teacher = s.labels == "target" or s.l1_weight or (model.config.enable_confidence_head
-                                                                    and s.bce_weight)
+            distribution_terms = bool(s.l1_weight or (model.config.enable_confidence_head and s.bce_weight))
             p_teacher = None
-            if needs_teacher:  # a third of the step's lm_head work: only where a term reads it
+            if s.labels == "target" or distribution_terms:  # a third of the step's lm_head work: only when read
                 with torch.no_grad():
                     p_teacher = F.linear(out["teacher"], self.lm_head).float().softmax(-1)
             markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
@@ -181,10 +180,10 @@ class BlockObjective:
             if s.labels == "target":
                 ce = -(p_teacher * log_p).sum(-1)
             else:
-                ce = -log_p.gather(-1, out["label"][:, None]).squeeze(-1)
+                ce = F.nll_loss(log_p, out["label"], reduction="none")
             loss = s.ce_weight * (weights * ce).sum() / norm
             metrics = {"ce": float((weights * ce).sum().detach() / norm)}
-            if s.l1_weight or (model.config.enable_confidence_head and s.bce_weight):
+            if distribution_terms:
                 l1 = (log_p.exp() - p_teacher).abs().sum(-1)
                 loss = loss + s.l1_weight * (weights * l1).sum() / norm
                 metrics["tv"] = float(0.5 * l1.detach().mean())
