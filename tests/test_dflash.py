@@ -8,12 +8,13 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench.core.decode import DecodeConfig, Drafter, decode
 from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
 from methods.dflash.drafter import BlockDrafter, BlockSettings, admit_by_throughput, ddtree
-from methods.dflash.model import BlockConfig, BlockDraftModel, block_taps, zlab_taps
+from methods.dflash.model import BlockConfig, BlockDraftModel, block_diagonal_attention, block_taps, zlab_taps
 from methods.dflash.training import BlockObjective, BlockTrainSettings, export_model
 
 
@@ -76,13 +77,10 @@ def test_training_blocks_see_only_their_past_and_themselves(default_target, anch
     blocks = objective.blocks({"tokens": tokens, "mask": mask, "lengths": torch.tensor([12])})
     anchors = blocks["anchors"][0].tolist()
     assert all(5 <= a <= 9 for a in anchors)
-    attention = blocks["attention"][0, 0]  # [A*b, T + A*b]
+    context_visible = blocks["context_visible"][0]  # [A*b, T]; and each slot sees its own block
     for j, anchor_at in enumerate(anchors):
         for slot in range(4):
-            row = attention[j * 4 + slot]
-            assert row[:12].tolist() == [t < anchor_at for t in range(12)]
-            own = [j * 4 + s for s in range(4)]
-            assert row[12:].nonzero().flatten().tolist() == own
+            assert context_visible[j * 4 + slot].tolist() == [t < anchor_at for t in range(12)]
             # z-lab: slot i >= 1 drafts x_{a+i} (labelled at row a+i-1); anchor drafts: slot i drafts x_{a+i+1}
             first = 0 if anchor else 1
             label = anchor_at + slot - first
@@ -98,6 +96,23 @@ def test_training_blocks_see_only_their_past_and_themselves(default_target, anch
     assert int(out["slots"].min()) >= 0 and int(out["slots"].max()) <= model.config.drafts_per_block - 1
     weights = objective.slot_weights  # exp(-k/gamma) for the k-th draft (gamma 4 for a block of 4)
     assert torch.allclose(weights, torch.exp(-torch.arange(3 + int(anchor)) / 4.0))
+
+
+def test_block_diagonal_attention_is_sdpa_with_the_block_mask():
+    torch.manual_seed(0)
+    size, heads, kv_heads, blocks, block, width, hd = 2, 6, 2, 3, 4, 7, 8
+    n = blocks * block
+    q = torch.randn(size, heads, n, hd, dtype=torch.float64)
+    context_k, context_v = torch.randn(2, size, kv_heads, width, hd, dtype=torch.float64)
+    k, v = torch.randn(2, size, kv_heads, n, hd, dtype=torch.float64)
+    anchors = torch.tensor([[0, 3, 6], [2, 5, 7]])  # anchor 0: the first block sees no context
+    visible = torch.arange(width)[None, None] < anchors.repeat_interleave(block, dim=1)[:, :, None]
+    block_id = torch.arange(n) // block
+    mask = torch.cat([visible, (block_id[:, None] == block_id[None])[None].expand(size, -1, -1)], dim=-1)
+    reference = F.scaled_dot_product_attention(q, torch.cat([context_k, k], 2), torch.cat([context_v, v], 2),
+                                               attn_mask=mask[:, None], scale=0.3, enable_gqa=True)
+    got = block_diagonal_attention(q, context_k, context_v, k, v, visible, block, 0.3)
+    assert torch.allclose(got, reference, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "scheduled"])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,3 +397,26 @@ def test_bench_ship_says_when_a_user_trained_drafter_would_shadow_the_shipped_on
     assert "user-trained drafter" in result.output and str(user_dir("smollm2-135m", "eagle")) in result.output
     own = CliRunner().invoke(main, ["ship", "--method", "eagle"])  # shipping the user's own: no note
     assert own.exit_code == 0 and "user-trained drafter" not in own.output
+
+
+def test_memory_cap_purges_jemalloc_only_past_its_limit():
+    from bench.core.training.memory import MemoryCap, anonymous_bytes, purge_all_arenas
+
+    if "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
+        assert not purge_all_arenas() and not MemoryCap(limit=0).enabled  # glibc: nothing to purge
+    jemalloc = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    if not jemalloc.exists():
+        pytest.skip("libjemalloc2 not installed")
+    child = (
+        "import torch\n"
+        "from bench.core.training.memory import MemoryCap, anonymous_bytes\n"
+        "cap = MemoryCap(limit=2**40)\n"
+        "x = torch.ones(100_000_000); del x\n"  # 400 MB freed: jemalloc keeps it (decay off)
+        "kept = anonymous_bytes(); cap.after_step(); assert cap.purges == 0 and anonymous_bytes() >= kept - 2**24\n"
+        "cap.limit = kept // 2; cap.after_step()\n"
+        "print(cap.enabled, cap.purges, kept - anonymous_bytes() > 300_000_000)\n")
+    env = dict(os.environ, LD_PRELOAD=str(jemalloc), MALLOC_CONF="dirty_decay_ms:-1,muzzy_decay_ms:-1")
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1", "True"]
+    assert anonymous_bytes() > 0

@@ -269,6 +269,30 @@ def upgrade_legacy_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def block_diagonal_attention(q: Tensor, context_k: Tensor, context_v: Tensor, k: Tensor, v: Tensor,
+                             context_visible: Tensor, block: int, scale: float) -> Tensor:
+    """Attention of training's side-by-side blocks: q [B, H, n, hd] (n = A blocks of `block`
+    slots), context keys/values [B, Hkv, T, hd], the blocks' own keys/values [B, Hkv, n, hd];
+    a slot sees the context where context_visible [B, n, T] and every slot of its own block.
+    The same result as SDPA over [context; all blocks] with the block-diagonal mask, without
+    scoring the other A - 1 blocks' keys (most of the keys, all masked); grouped query heads
+    share their key head as SDPA's enable_gqa does. Returns [B, H, n, hd]."""
+    size, heads, n, hd = q.shape
+    kv_heads, width = k.shape[1], context_k.shape[2]
+    group, blocks = heads // kv_heads, n // block
+    grouped = q.reshape(size, kv_heads, group * n, hd)  # q head h uses key head h // group
+    on_context = (grouped @ context_k.transpose(-1, -2)).view(size, heads, n, width) * scale
+    on_context = on_context.masked_fill(~context_visible[:, None], float("-inf"))
+    per_block = q.reshape(size, kv_heads, group, blocks, block, hd)
+    on_block = (per_block @ k.reshape(size, kv_heads, 1, blocks, block, hd).transpose(-1, -2)) * scale
+    weights = torch.cat([on_context, on_block.reshape(size, heads, n, block)], dim=-1).float().softmax(-1)
+    weights = weights.to(q.dtype)
+    from_context = weights[..., :width].reshape(size, kv_heads, group * n, width) @ context_v
+    from_block = weights[..., width:].reshape(size, kv_heads, group, blocks, block, block) \
+        @ v.reshape(size, kv_heads, 1, blocks, block, hd)
+    return (from_context.view(size, heads, n, hd) + from_block.reshape(size, heads, n, hd))
+
+
 class BlockDraftModel(nn.Module):
     def __init__(self, config: BlockConfig) -> None:
         super().__init__()
@@ -341,9 +365,11 @@ class BlockDraftModel(nn.Module):
         return x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
 
     def forward_block(self, x: Tensor, positions: Tensor, context_kv: list[tuple[Tensor, Tensor]],
-                      mask: Tensor | None = None) -> Tensor:
+                      mask: Tensor | None = None, context_visible: Tensor | None = None) -> Tensor:
         """Run the block x [.., n, d] at `positions` [.., n] through every layer; keys are
-        [context; block]. `mask` [.., 1, n, ctx + n] (None: everything visible).
+        [context; block]. `mask` [.., 1, n, ctx + n] (None: everything visible). Training's
+        layout instead: x holds n / block_size blocks side by side, each slot sees its own
+        block and the context where `context_visible` [B, n, ctx] (block_diagonal_attention).
         Returns the final normed hidden states [.., n, d]."""
         c = self.config
         cos, sin = self.rope(positions)
@@ -358,10 +384,14 @@ class BlockDraftModel(nn.Module):
             v = self._heads(attn_mod.v_proj(h), c.num_kv_heads)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            keys = torch.cat([context_k.to(k.dtype), k], dim=-2)
-            values = torch.cat([context_v.to(v.dtype), v], dim=-2)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5,
-                                                  enable_gqa=True)
+            if context_visible is not None:
+                attn = block_diagonal_attention(q, context_k.to(k.dtype), context_v.to(v.dtype), k, v,
+                                                context_visible, c.block_size, c.head_dim ** -0.5)
+            else:
+                keys = torch.cat([context_k.to(k.dtype), k], dim=-2)
+                values = torch.cat([context_v.to(v.dtype), v], dim=-2)
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5,
+                                                      enable_gqa=True)
             x = x + attn_mod.o_proj(attn.transpose(-2, -3).flatten(-2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

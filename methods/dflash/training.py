@@ -106,7 +106,8 @@ class BlockObjective:
     def blocks(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Random anchors and everything indexed by them: slot positions [B, A, b], the row
         whose target distribution labels each slot (the position before its token), which
-        slots are scored, and the attention mask [B, 1, A*b, T + A*b]."""
+        slots are scored, and which context positions each slot sees [B, A*b, T] (before its
+        anchor; and its own block: BlockDraftModel.forward_block's training layout)."""
         tokens, mask, lengths = batch["tokens"], batch["mask"], batch["lengths"]
         size, width = tokens.shape
         b, count = self.model.config.block_size, self.settings.anchors
@@ -131,12 +132,9 @@ class BlockObjective:
         blocks = anchors.shape[1]
         sees_context = positions[None, None, :] < anchors[:, :, None]  # [B, A, T]
         sees_context = sees_context[:, :, None, :].expand(size, blocks, b, width).reshape(size, blocks * b, width)
-        block_id = torch.arange(blocks, device=device).repeat_interleave(b)
-        sees_block = (block_id[:, None] == block_id[None, :])[None].expand(size, -1, -1)
-        attention = torch.cat([sees_context, sees_block], dim=2)[:, None]
         # RoPE positions run past the sequence's end where a block does (a decode-time block would too)
         return {"anchors": anchors, "slot_positions": slot_positions, "label_rows": label_clamped, "scored": scored,
-                "attention": attention}
+                "context_visible": sees_context}
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         model, c = self.model, self.model.config
@@ -147,7 +145,7 @@ class BlockObjective:
         anchor_tokens = torch.gather(batch["tokens"], 1, blocks["anchors"])
         x = model.block_inputs(anchor_tokens, self.embed, c.block_size).flatten(1, 2)
         positions = blocks["slot_positions"].flatten(1)
-        hidden = model.forward_block(x, positions, context_kv, blocks["attention"])
+        hidden = model.forward_block(x, positions, context_kv, context_visible=blocks["context_visible"])
         scored = blocks["scored"].flatten(1)
         rows = blocks["label_rows"].flatten(1)[scored]
         batch_rows = torch.arange(size, device=x.device)[:, None].expand_as(positions)[scored]

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from bench.core.drafters import WEIGHTS
 from bench.core.errors import BenchError
+from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
 from methods.medusa.model import FORMAT, METHOD, MedusaHeads, export_heads
 from methods.medusa.tree import TOPK, build_tree, expected_accepted
 
@@ -109,24 +110,17 @@ class _GivenGradient(torch.autograd.Function):
         return grad * upstream[:, None], None, None
 
 
-def cross_entropy_block(z: Tensor, p: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Cross-entropy of logits z [m, V] against distributions p [m, V] (tokens None) or
-    against tokens [m]; returns (loss [m], soft CE vs p [m]) and overwrites z with
-    d loss / d z. Without storing [m, V] activations for autograd: the heads' logits are
-    the whole cost of training, and three extra copies of them triple the time."""
-    z.sub_(z.max(-1, keepdim=True).values)
-    dot = torch.einsum("mv,mv->m", p, z)
-    picked = None if tokens is None else z.gather(1, tokens[:, None]).squeeze(1)
-    z.exp_()
-    total = z.sum(-1, keepdim=True)
-    log_total = total.log().squeeze(1)
-    z.div_(total)  # softmax
-    soft = log_total - dot
+def cross_entropy_block(z: Tensor, p: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy of fp32 logits z [m, V] against distributions p [m, V] (tokens None) or
+    against tokens [m]; returns (loss [m], soft CE vs p [m], d loss / d z [m, V]). Without
+    storing [m, V] activations for autograd: the heads' logits are the whole cost of
+    training, and three extra copies of them triple the time."""
+    q, lse = softmax_lse(z)
+    soft = lse - rowdot(p, z)
     if tokens is None:
-        z.sub_(p)
-        return soft, soft
-    z.scatter_add_(1, tokens[:, None], -torch.ones_like(z[:, :1]))
-    return log_total - picked, soft
+        return soft, soft, q.sub_(p)
+    picked = z.gather(1, tokens[:, None]).squeeze(1)
+    return lse - picked, soft, q.scatter_add_(1, tokens[:, None], -torch.ones_like(q[:, :1]))
 
 
 class MedusaObjective:
@@ -137,6 +131,9 @@ class MedusaObjective:
         self.heads, self.features, self.opts, self.device = heads, features, opts, device
         self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
         self.lm_head = lm_head.detach().to(device=device, dtype=torch.float32)
+        # the loss's lm_head products in bf16 under autocast, from one copy: autocast would cast the
+        # frozen (non-leaf) fp32 head again on every call, 11 times per chunk
+        self.head = self.lm_head.to(torch.bfloat16) if autocast else self.lm_head
         self._eval: tuple[Tensor, list[Tensor], list[Tensor]] | None = None
 
     def named_parameters(self) -> list[tuple[str, Tensor]]:
@@ -167,7 +164,7 @@ class MedusaObjective:
 
     def _loss(self, windows: list[tuple[int, int]]) -> tuple[Tensor, dict[str, float]]:
         rows, anchors, labels, tokens = self._pairs(windows)
-        k, w = self.heads.num_heads, self.lm_head
+        k, w = self.heads.num_heads, self.head
         hidden = self.features.hidden[rows].to(self.device, torch.float32)
         states = [self.heads.blocks[i](hidden[anchors[i].to(self.device)]) for i in range(k)]
         losses = [torch.zeros(len(a), device=self.device) for a in anchors]
@@ -176,24 +173,21 @@ class MedusaObjective:
         with torch.no_grad():
             for a in range(0, len(rows), CHUNK):  # label rows a..b: the target's distribution once
                 b = min(a + CHUNK, len(rows))
-                teacher = F.linear(hidden[a:b], w)
+                teacher = F.linear(hidden[a:b].to(w.dtype), w).float()  # softmaxes in fp32
                 top = teacher.argmax(-1)
-                teacher.sub_(teacher.max(-1, keepdim=True).values)
-                p = teacher.exp()
-                total = p.sum(-1, keepdim=True)
-                p.div_(total)
-                entropy = total.log().squeeze(1) - torch.einsum("rv,rv->r", p, teacher)
+                p, lse = softmax_lse(teacher)
+                entropy = lse - rowdot(p, teacher)
                 for i in range(k):
                     lo, hi = torch.searchsorted(labels[i], torch.tensor([a, b])).tolist()
                     if lo == hi:
                         continue
                     local = (labels[i][lo:hi] - a).to(self.device)
-                    z = F.linear(states[i][lo:hi], w)
-                    agree[i] += float((z.argmax(-1) == top[local]).sum())
+                    z = F.linear(states[i][lo:hi].to(w.dtype), w).float()
+                    agree[i] += float(agrees(z, top[local]).sum())
                     hard = tokens[i][lo:hi].to(self.device) if self.opts.labels == "data" else None
-                    losses[i][lo:hi], soft = cross_entropy_block(z, p[local], hard)
+                    losses[i][lo:hi], soft, dz = cross_entropy_block(z, p[local], hard)
                     kl_sum[i] += float((soft - entropy[local]).sum())
-                    grads[i][lo:hi] = z @ w
+                    grads[i][lo:hi] = (dz.to(w.dtype) @ w).float()
         total = torch.zeros((), device=self.device)
         metrics: dict[str, float] = {}
         used = [i for i in range(k) if len(anchors[i])]

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
+
 
 class _DistillLoss(torch.autograd.Function):
     """sum_{s,r} weight[s,r] * KL(p_r || q_{s,r}) with p_r = softmax(lm_head(teacher_r)) and
@@ -19,7 +21,8 @@ class _DistillLoss(torch.autograd.Function):
     chunk, so no [rows, vocab] tensor outlives its chunk; the vocabulary-wide elementwise
     work (as costly as the matmuls on a CPU) is kept to a few in-place passes. Also returns
     per-step stats [steps, 4]: KL sum, top-1 agreements, sum of min(p, q) (the T=1
-    acceptance; only when no gradient is needed), rows."""
+    acceptance; only when no gradient is needed), rows. The row reductions are
+    bench.core.training.vocab_rows's fast ones."""
 
     @staticmethod
     def forward(ctx, student: Tensor, teacher: Tensor, weight: Tensor, lm_head: Tensor,
@@ -30,17 +33,12 @@ class _DistillLoss(torch.autograd.Function):
         loss = torch.zeros((), device=student.device)
         stats = torch.zeros(steps, 4, device=student.device)
         head = lm_head.to(dtype)
-
-        def dot(a: Tensor, b: Tensor) -> Tensor:  # row-wise a.b without a [rows, V] temporary
-            return torch.bmm(a[:, None, :], b[:, :, None])[:, 0, 0]
-
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
             z_t = F.linear(teacher[a:b].to(dtype), head).float()
-            lse_t = z_t.logsumexp(-1)
             best = z_t.argmax(-1)
-            p = (z_t - lse_t[:, None]).exp_()
-            neg_entropy = dot(p, z_t) - lse_t  # sum p log p
+            p, lse_t = softmax_lse(z_t)
+            neg_entropy = rowdot(p, z_t) - lse_t  # sum p log p
             del z_t
             for s in range(steps):
                 w = weight[s, a:b]
@@ -48,13 +46,13 @@ class _DistillLoss(torch.autograd.Function):
                 if not bool(valid.any()):
                     continue
                 z = F.linear(student[s, a:b].to(dtype), head).float()
-                lse = z.logsumexp(-1)
-                kl = neg_entropy - dot(p, z) + lse  # sum p (log p - log q)
+                q, lse = softmax_lse(z)
+                kl = neg_entropy - rowdot(p, z) + lse  # sum p (log p - log q)
                 loss += (w * kl).sum()
                 stats[s, 0] += kl[valid].sum()
-                stats[s, 1] += (z.argmax(-1) == best)[valid].sum()
+                stats[s, 1] += agrees(q, best)[valid].sum()
                 stats[s, 3] += valid.sum()
-                q = z.sub_(lse[:, None]).exp_()
+                del z
                 if need_grad:  # d loss / d logits = w (q - p)
                     grad[s, a:b] = F.linear(q.sub_(p).mul_(w[:, None]).to(dtype), head.t()).float()
                 else:

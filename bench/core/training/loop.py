@@ -31,6 +31,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench.core.errors import BenchError
+from bench.core.training.memory import MemoryCap
 
 CHECKPOINT = "checkpoint"
 LOG = "log.jsonl"
@@ -243,6 +244,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
     last_save = last_export = time.monotonic()
     started = time.monotonic() - elapsed
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not progress)
+    memory = MemoryCap()
     with log_path.open("a") as log:
         while step < cfg.max_steps:
             lr = learning_rate(step, cfg)
@@ -254,6 +256,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             optimizer.step()
+            memory.after_step()
             step += 1
             before = tokens_seen
             tokens_seen += int(metrics.get("tokens", 0))
@@ -261,6 +264,8 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                    "elapsed_s": round(time.monotonic() - started, 2)}
             if "tokens" in metrics:
                 row["tokens_seen"] = tokens_seen
+            if memory.purges:
+                row["memory_purges"] = memory.purges  # this process's, since it started
             reached = [m for m in milestones if before < m <= tokens_seen]
             log.write(json.dumps(row) + "\n")
             log.flush()

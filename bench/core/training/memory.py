@@ -1,0 +1,62 @@
+"""A training process's memory, bounded without giving up jemalloc's page reuse.
+
+`bench train` runs under jemalloc with purging off (bench/cli.py): a step's large
+temporaries reuse the pages the last step freed instead of faulting fresh zeroed pages in.
+With purging on (any finite `dirty_decay_ms`) a step spends as much time in the kernel's
+page faults as in its matmuls (measured on the at-scale trainers, results/README.md). But
+steps differ in padded width, so the freed extents fit the next step's tensors less and
+less and the retained memory grows: session 14's EAGLE-3 trainer was killed at 17.6 GB.
+`MemoryCap` purges every arena once whenever the process's anonymous memory passes a cap: a
+one-off re-fault of the pages still in use, then reuse again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+DEFAULT_SHARE = 0.3  # of physical memory: two trainers, the feature taps' page cache and the rest fit
+
+
+def anonymous_bytes() -> int:
+    """Resident memory less file-backed pages (the mapped feature taps are reclaimable)."""
+    with open("/proc/self/statm") as handle:
+        fields = handle.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mallctl():
+    """jemalloc's mallctl when jemalloc is this process's allocator, else None."""
+    if "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
+        return None
+    try:
+        function = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
+
+
+def purge_all_arenas() -> bool:
+    """Return every arena's unused dirty pages to the system; False when not under jemalloc."""
+    mallctl = _mallctl()
+    return mallctl is not None and mallctl(b"arena.4096.purge", None, None, None, 0) == 0  # 4096: all arenas
+
+
+class MemoryCap:
+    """after_step(): purge jemalloc's arenas when anonymous resident memory exceeds `limit` bytes
+    (default: DEFAULT_SHARE of physical memory, or $BENCH_TRAIN_MEMORY_GB). `purges` counts them."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is None:
+            configured = os.environ.get("BENCH_TRAIN_MEMORY_GB")
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            limit = int(float(configured) * 2**30) if configured else int(DEFAULT_SHARE * physical)
+        self.limit = limit
+        self.enabled = _mallctl() is not None
+        self.purges = 0
+
+    def after_step(self) -> None:
+        if self.enabled and anonymous_bytes() > self.limit and purge_all_arenas():
+            self.purges += 1

@@ -1,0 +1,33 @@
+"""Row-wise reductions over a full vocabulary for the fused (no-autograd) lm_head losses.
+
+Trainers that score every draft position against a 49152-token vocabulary compute each
+chunk's logits, loss and logit gradient at once (Medusa, MTP). On a CPU the
+vocabulary-wide elementwise passes cost as much as the lm_head matmuls, and some aten
+reductions are several times slower than others that give the same numbers: the row dot
+as bmm or einsum, max with indices and logsumexp against vecdot, amax and softmax
+(`python -m scripts.vocab_rows` times them; results/<target>/profile/vocab-rows-*.json).
+These helpers use the fast ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def softmax_lse(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(softmax(z), logsumexp(z)) of each row of fp32 logits z [m, V].
+    The softmax's largest entry is exp(0) / sum exp(z - max z), so log-sum-exp is
+    max z - log(max softmax): one fused softmax pass and two cheap amax passes."""
+    q = z.softmax(-1)
+    return q, z.amax(-1) - q.amax(-1).log()
+
+
+def rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """sum_v a[m, v] * b[m, v] of each row, without an [m, V] temporary."""
+    return torch.linalg.vecdot(a, b)
+
+
+def agrees(q: Tensor, index: Tensor) -> Tensor:
+    """Whether index[m] is an argmax of row m of q [m, V] (probabilities or logits)."""
+    return q.gather(1, index[:, None]).squeeze(1) == q.amax(-1)
