@@ -5,7 +5,7 @@ losses need computed two ways that give the same numbers (the way they were writ
 first, and bench.core.training.vocab_rows's), interleaved and repeated, and keeps the
 record with the largest difference between the two results:
 
-    python -m scripts.vocab_rows [--rows 128] [--rounds 7]
+    python -m scripts.vocab_rows [--rows 128] [--rounds 7] [--calls 5]
     -> results/<target>/profile/vocab-rows-<machine>.json
 """
 
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=5, help="calls per timing (their mean)")
     parser.add_argument("--results-dir", default="results")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -61,8 +62,9 @@ def main() -> None:
             for label, function in (("first", first), ("vocab_rows", fast)):
                 function()
                 begin = time.perf_counter()
-                function()
-                times[name][label].append(time.perf_counter() - begin)
+                for _ in range(args.calls):
+                    function()
+                times[name][label].append((time.perf_counter() - begin) / args.calls)
     summary = {}
     for name, (first, fast) in ways.items():
         ratios = [f / v for f, v in zip(times[name]["first"], times[name]["vocab_rows"])]
@@ -72,7 +74,8 @@ def main() -> None:
                                                    "max": max(ratios)},
                          "largest_difference": largest_difference(first(), fast())}
     record = {"what": "row reductions of fp32 logits, one thread, the first way vs bench.core.training.vocab_rows",
-              "rows": args.rows, "vocab": args.vocab, "rounds": args.rounds, "times_s": times,
+              "rows": args.rows, "vocab": args.vocab, "rounds": args.rounds, "calls_per_timing": args.calls,
+              "times_s": times,
               "summary": summary, "provenance": provenance("cpu")}
     folder = Path(args.results_dir) / "smollm2-135m" / "profile"
     folder.mkdir(parents=True, exist_ok=True)
