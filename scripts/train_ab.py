@@ -72,7 +72,10 @@ def main() -> None:
             base_checkout = Path(scratch) / "base"
             subprocess.run(["git", "worktree", "add", "--detach", str(base_checkout), base_sha], check=True,
                            capture_output=True)
-            for shared in (".venv",):  # the same interpreter and packages
+            # the same interpreter and packages, and the same distilled data: its resolved folder is part
+            # of the feature cache's key, so the base reads the features already extracted
+            for shared in (".venv", "methods/distilled"):
+                shutil.rmtree(base_checkout / shared, ignore_errors=True)
                 (base_checkout / shared).symlink_to(root / shared)
         try:
             for _ in tqdm(range(args.rounds), desc="rounds (base, then current)"):

@@ -39,6 +39,7 @@ from torch import Tensor
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
+from bench.core.training.vocab_rows import agrees
 from methods.dflash.model import BlockConfig, BlockDraftModel, default_mask_token_id, zlab_taps
 from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
 
@@ -166,12 +167,16 @@ class BlockObjective:
             logits = model.logits(out["hidden"], self.lm_head)
             distribution_terms = bool(s.l1_weight or (model.config.enable_confidence_head and s.bce_weight))
             p_teacher = None
+            # the target's greedy token (the data's where the teacher's distribution is not read)
+            teacher_top = out["label"]
             if s.labels == "target" or distribution_terms:  # a third of the step's lm_head work: only when read
                 with torch.no_grad():
                     p_teacher = F.linear(out["teacher"], self.lm_head).float().softmax(-1)
+                    teacher_top = p_teacher.argmax(-1)
             markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
             if markov is not None:
                 logits = logits + model.markov_bias(markov).float()
+            hits = agrees(logits.detach(), teacher_top).float()  # the drafted token is the target's greedy one
             log_p = logits.log_softmax(-1)
             weights = self.slot_weights[out["slots"]]
             norm = weights.sum()
@@ -187,7 +192,7 @@ class BlockObjective:
                 metrics["tv"] = float(0.5 * l1.detach().mean())
                 if model.config.enable_confidence_head:
                     sampled = (1 - 0.5 * l1).detach().clamp(0, 1)
-                    greedy = (logits.argmax(-1) == p_teacher.argmax(-1)).float()
+                    greedy = hits
                     label = {"sampled": sampled, "greedy": greedy, "both": 0.5 * (sampled + greedy)}[
                         s.confidence_label]
                     confidence = model.confidence_logit(out["hidden"].detach(),
@@ -196,8 +201,6 @@ class BlockObjective:
                     loss = loss + s.bce_weight * (weights * bce).sum() / norm
                     metrics["bce"] = float((weights * bce).detach().sum() / norm)
                     metrics["conf"] = float(torch.sigmoid(confidence.detach()).mean())
-        # agreement with the target's argmax (or, without it, with the data's token)
-        hits = (logits.argmax(-1) == (p_teacher.argmax(-1) if p_teacher is not None else out["label"])).float()
         # tokens: reply positions of the batch's sequences (the data consumed; the scaling figure's x)
         metrics.update(loss=float(loss.detach()), acc=float(hits.mean()), tokens=float(batch["mask"].sum()))
         for slot in (0, 1, 3, 7):

@@ -30,6 +30,7 @@ from torch import Tensor
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
+from bench.core.training.vocab_rows import agrees
 from methods.eagle.model import EagleConfig, EagleHead
 
 FORMAT = "spec-bench-eagle/1"
@@ -222,15 +223,18 @@ class EagleObjective:
             valid, _ = self.labels(batch, step)
             valid = valid & shifted(rows, 1 + step, False)
             with torch.no_grad():
-                target_argmax = shifted(argmax_at, 1 + step)[valid]
+                at_batch, at_row = valid.nonzero(as_tuple=True)  # labels at row t+1+step (< length)
+                target_argmax = argmax_at[at_batch, at_row + 1 + step]
                 in_vocab = torch.isin(target_argmax, draft_ids)
-                target_probs = shifted(logits_at, 1 + step)[valid].softmax(-1)
+                target_probs = logits_at[at_batch, at_row + 1 + step].softmax(-1)
             log_q = head.logits(out[valid], self.lm_head).float().log_softmax(-1)
             if in_vocab.any():
                 ce = -(target_probs[in_vocab] * log_q[in_vocab]).sum(-1).mean()
                 total = total + s.step_decay ** step * ce
                 weight_sum += s.step_decay ** step
-                agree = draft_ids[log_q.argmax(-1)] == target_argmax
+                # the head's argmax is the target's greedy token (never, where that is outside the draft vocabulary)
+                agree = in_vocab & agrees(log_q.detach(), torch.searchsorted(draft_ids, target_argmax).clamp(
+                    max=draft_ids.numel() - 1))
                 metrics[f"acc{step}"] = float(agree.float().mean())
                 metrics[f"ce{step}"] = float(ce.detach())
             hidden = out
