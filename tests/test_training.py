@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
 
 from bench.core.errors import BenchError
@@ -420,3 +421,27 @@ def test_memory_cap_purges_jemalloc_only_past_its_limit():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "1", "True"]
     assert anonymous_bytes() > 0
+
+
+def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
+    """The fused reductions (vocab_rows) give the textbook loss: sum KL(p || q) + ce_weight * CE
+    over the reply positions, divided by their count; and its metrics."""
+    from bench.core.training.data import Example
+    from bench.core.training.draft_lm import DraftLMSettings
+
+    objective = DraftDistillation(tiny_target, DraftLMSettings(**FP32, ce_weight=0.3), "cpu")
+    torch.manual_seed(0)
+    tokens = torch.randint(tiny_target.config.vocab_size, (12,))
+    mask = torch.zeros(12, dtype=torch.bool)
+    mask[4:11] = True
+    example = Example(tokens, mask)
+    loss, metrics = objective.loss([example])
+    rows = mask.nonzero().squeeze(-1)
+    with torch.no_grad():
+        log_p = objective.teacher_logits(example, tokens, rows).log_softmax(-1)
+        log_q = objective.student_logits(tokens, rows).float().log_softmax(-1)
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum")
+    ce = F.nll_loss(log_q, tokens[rows + 1], reduction="sum")
+    assert abs(float(loss) - float(kl + 0.3 * ce) / len(rows)) < 1e-4 * float(loss)  # fp32 sums, other orders
+    assert abs(metrics["kl"] - float(kl) / len(rows)) < 1e-4 * metrics["kl"]
+    assert metrics["acc"] == pytest.approx(float((log_q.argmax(-1) == log_p.argmax(-1)).float().mean()))

@@ -25,6 +25,7 @@ from bench.core.errors import BenchError
 from bench.core.provenance import git_sha, timestamp
 from bench.core.target import load_state_dict, parse_dtype
 from bench.core.training.data import Example
+from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
 
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
 FORMAT = "spec-bench-draft-lm/1"
@@ -95,7 +96,9 @@ class DraftDistillation:
         self.teacher = None if settings.feature_tokens else Engine(target.config, target_state, device=self.device,
                                                                    dtype=parse_dtype(settings.teacher_dtype))
         head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])  # tied: the embedding
-        self.lm_head = head.to(self.device, torch.float32) if settings.feature_tokens else None
+        # cached: the teacher's logits from the target's final states, in the students' matmul dtype
+        head_dtype = torch.bfloat16 if autocast else torch.float32
+        self.lm_head = head.to(self.device, head_dtype) if settings.feature_tokens else None
         self.config = draft_config(target.config, settings.num_layers)
         self.student = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32).to(self.device)
         student_state = self.student.state_dict()
@@ -128,7 +131,7 @@ class DraftDistillation:
 
     def teacher_logits(self, ex: Example, tokens: Tensor, rows: Tensor) -> Tensor:
         if ex.states is not None:
-            return F.linear(ex.states[rows.cpu()].to(self.device, torch.float32), self.lm_head)
+            return F.linear(ex.states[rows.cpu()].to(self.device, self.lm_head.dtype), self.lm_head).float()
         if self.teacher is None:
             raise BenchError("a cached-teacher run got an example without the target's states")
         return self.teacher.prefill(tokens, logits_rows=rows).logits.float()
@@ -142,16 +145,17 @@ class DraftDistillation:
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
             with torch.no_grad():
                 teacher = self.teacher_logits(ex, tokens, rows)
-                log_p = teacher.log_softmax(-1)
-                p = log_p.exp()
+                top = teacher.argmax(-1)
+                p, lse = softmax_lse(teacher)
+                neg_entropy = (rowdot(p, teacher) - lse).sum()  # sum p log p: no gradient
             log_q = self.student_logits(tokens, rows).float().log_softmax(-1)
-            kl = (p * (log_p - log_q)).sum()
+            kl = neg_entropy - rowdot(p, log_q).sum()
             ce = F.nll_loss(log_q, tokens[rows + 1], reduction="sum")
             loss = loss + (kl + self.settings.ce_weight * ce) / total
             with torch.no_grad():
                 kl_sum += float(kl)
                 ce_sum += float(ce)
-                agree += int((log_q.argmax(-1) == teacher.argmax(-1)).sum())
+                agree += int(agrees(log_q, top).sum())
                 overlap += float(torch.minimum(p, log_q.exp()).sum())
         # acc: top-1 agreement (greedy acceptance proxy); accept: sum min(p, q) (T=1 acceptance)
         return loss, {"kl": kl_sum / total, "ce": ce_sum / total, "acc": agree / total,
