@@ -1,6 +1,6 @@
 """How much faster is a training step than at another revision, or under another environment?
 
-Runs `bench train --max-steps N` for the current checkout and for a base (a git revision,
+Runs `bench train` for N steps (then stops it) for the current checkout and for a base (a git revision,
 checked out in a temporary worktree, and/or environment variables such as MALLOC_CONF), in
 fresh processes, alternating, and keeps the record: every step's seconds, the median ratio
 with its spread over rounds, and the first steps' losses of both (the same seed and data:
@@ -10,7 +10,8 @@ they differ only by rounding when the change keeps the arithmetic):
         [--base-env MALLOC_CONF=dirty_decay_ms:10000] [--cpu 0] -- --option num_heads=5 ...
     -> results/<target>/profile/train-ab-<method>-<label>-<machine>.json
 
-Each run also pays its start and the drafter's export at the end; only the steps are timed.
+Only the steps are timed (each run's start is not); a run is stopped once its log holds N
+steps, before any export.
 """
 
 from __future__ import annotations
@@ -23,18 +24,28 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
-def run(checkout: Path, env: dict, args: list[str], out: Path, cpu: str | None) -> list[dict]:
+def run(checkout: Path, env: dict, args: list[str], steps: int, out: Path, cpu: str | None) -> list[dict]:
+    """`bench train` until its log holds `steps` steps, then stopped (no export, no evaluation)."""
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "bench.cli", "train", *args, "--out", str(out), "--threads", "1"]
+    command = [sys.executable, "-m", "bench.cli", "train", *args, "--max-steps", str(10 * steps), "--out", str(out),
+               "--threads", "1", "--checkpoint-minutes", "1000"]
     if cpu is not None:
         command = ["taskset", "-c", cpu, *command]
-    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"bench train failed in {checkout}: {done.stderr.strip().splitlines()[-1:]}")
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = out / "log.jsonl"
+    with tempfile.TemporaryFile("w+") as errors:
+        process = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+        while process.poll() is None and (not log.exists() or len(log.read_text().splitlines()) < steps):
+            time.sleep(0.5)
+        if process.poll() is not None:
+            errors.seek(0)
+            raise SystemExit(f"bench train stopped in {checkout}: {errors.read().strip().splitlines()[-1:]}")
+        process.terminate()
+        process.wait()
+    return [json.loads(line) for line in log.read_text().splitlines()[:steps]]
 
 
 def step_seconds(rows: list[dict]) -> list[float]:
@@ -54,7 +65,7 @@ def main() -> None:
     parser.add_argument("--base-env", action="append", default=[], help="KEY=VALUE set for the base runs only")
     parser.add_argument("--label", default=None, help="name of the comparison in the record's file name")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="steps logged per run (the first is not timed)")
     parser.add_argument("--cpu", default=None, help="taskset CPU list for every run")
     parser.add_argument("--results-dir", default="results")
     parser.add_argument("train_args", nargs="*", help="after --: more `bench train` options")
@@ -64,7 +75,7 @@ def main() -> None:
                               check=True).stdout.strip()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     base_env = dict(env, **dict(item.split("=", 1) for item in args.base_env))
-    train_args = ["--method", args.method, "--max-steps", str(args.steps), *args.train_args]
+    train_args = ["--method", args.method, *args.train_args]
     runs: dict[str, list[list[dict]]] = {"base": [], "current": []}
     with tempfile.TemporaryDirectory() as scratch:
         base_checkout = root
@@ -79,8 +90,9 @@ def main() -> None:
                 (base_checkout / shared).symlink_to(root / shared)
         try:
             for _ in tqdm(range(args.rounds), desc="rounds (base, then current)"):
-                runs["base"].append(run(base_checkout, base_env, train_args, Path(scratch) / "out", args.cpu))
-                runs["current"].append(run(root, env, train_args, Path(scratch) / "out", args.cpu))
+                out = Path(scratch) / "out"
+                runs["base"].append(run(base_checkout, base_env, train_args, args.steps, out, args.cpu))
+                runs["current"].append(run(root, env, train_args, args.steps, out, args.cpu))
         finally:
             if base_checkout != root:
                 subprocess.run(["git", "worktree", "remove", "--force", str(base_checkout)], capture_output=True)
