@@ -411,10 +411,14 @@ def test_memory_cap_purges_jemalloc_only_past_its_limit():
     child = (
         "import torch\n"
         "from bench.core.training.memory import MemoryCap, anonymous_bytes\n"
-        "cap = MemoryCap(limit=2**40)\n"
+        "cap = MemoryCap(limit=0)\n"
         "x = torch.ones(100_000_000); del x\n"  # 400 MB freed: jemalloc keeps it (decay off)
-        "kept = anonymous_bytes(); cap.after_step(); assert cap.purges == 0 and anonymous_bytes() >= kept - 2**24\n"
-        "cap.limit = kept // 2; cap.after_step()\n"
+        "kept = anonymous_bytes()\n"
+        "for _ in range(cap.WARMUP): cap.after_step()\n"  # the working set: what the first steps held
+        "assert cap.purges == 0 and cap.cap() == 2 * cap.working_set >= 2 * kept - 2**25\n"
+        "y = torch.ones(50_000_000); del y; cap.after_step()\n"  # within the working set: nothing purged
+        "assert cap.purges == 0 and anonymous_bytes() >= kept - 2**25\n"
+        "cap.working_set = kept // 4; cap.after_step()\n"
         "print(cap.enabled, cap.purges, kept - anonymous_bytes() > 300_000_000)\n")
     env = dict(os.environ, LD_PRELOAD=str(jemalloc), MALLOC_CONF="dirty_decay_ms:-1,muzzy_decay_ms:-1")
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)

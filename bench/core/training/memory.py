@@ -45,8 +45,13 @@ def purge_all_arenas() -> bool:
 
 
 class MemoryCap:
-    """after_step(): purge jemalloc's arenas when anonymous resident memory exceeds `limit` bytes
-    (default: DEFAULT_SHARE of physical memory, or $BENCH_TRAIN_MEMORY_GB). `purges` counts them."""
+    """after_step(): purge jemalloc's arenas when anonymous resident memory exceeds the cap:
+    `limit` bytes (default: DEFAULT_SHARE of physical memory, or $BENCH_TRAIN_MEMORY_GB), or
+    twice the working set, whichever is larger. The working set is the most this process held
+    after any of its first WARMUP steps (jemalloc keeps a step's peak): a cap below it would
+    purge pages every step needs again, and fault them all back in. `purges` counts purges."""
+
+    WARMUP = 5
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is None:
@@ -56,7 +61,18 @@ class MemoryCap:
         self.limit = limit
         self.enabled = _mallctl() is not None
         self.purges = 0
+        self.steps = 0
+        self.working_set = 0
+
+    def cap(self) -> int:
+        return max(self.limit, 2 * self.working_set)
 
     def after_step(self) -> None:
-        if self.enabled and anonymous_bytes() > self.limit and purge_all_arenas():
+        if not self.enabled:
+            return
+        held = anonymous_bytes()
+        self.steps += 1
+        if self.steps <= self.WARMUP:
+            self.working_set = max(self.working_set, held)
+        elif held > self.cap() and purge_all_arenas():
             self.purges += 1
