@@ -5,7 +5,8 @@ a pass, so a k-token verification rounds exactly as k one-token steps. They repl
 engine's earlier invariant path (fp64 attention, oneDNN GEMMs in row chunks and column
 pieces), which kept bf16 token-exact but cost ~40% at k = 16.
 
-The build is for this CPU's instruction tier (AVX512-BF16, else AVX2 + FMA), cached by torch
+The build is for this CPU's instruction tier (AMX tiles for the linears, else AVX512-BF16,
+else AVX2 + FMA), cached by torch
 under its extensions folder and keyed by tier and source hash, so a home shared by two
 machines never runs one's binary on the other, nor two checkouts each other's. Without a
 compiler or either tier, `kernels()` is None and the engine keeps its earlier path.
@@ -29,9 +30,11 @@ from torch import Tensor, nn
 from bench.core.provenance import cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_bf16.cpp"
-TIERS = {  # tier -> (flags the CPU must have, compiler flags)
-    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"},
-                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-DSB_AVX512BF16"]),
+_AVX512BF16 = ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"},
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-DSB_AVX512BF16"])
+TIERS = {  # tier -> (flags the CPU must have, compiler flags), best first
+    "amx": (_AVX512BF16[0] | {"amx_tile", "amx_bf16"}, [*_AVX512BF16[1], "-mamx-tile", "-mamx-bf16", "-DSB_AMX"]),
+    "avx512bf16": _AVX512BF16,
     "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
 }
 

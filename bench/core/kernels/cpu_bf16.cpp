@@ -4,12 +4,17 @@
 // so greedy bf16 decoding stays token-exact against bf16 AR without fp64 attention or row
 // chunks, and a one-token step streams the weights once, near the memory-bandwidth limit.
 //
-// Built by bench/core/cpu_kernels.py for one of two instruction tiers:
+// Built by bench/core/cpu_kernels.py for one of three instruction tiers:
+//   SB_AMX (with SB_AVX512BF16): linear layers on AMX tiles, everything else as AVX512-BF16
 //   SB_AVX512BF16: AVX512-BF16 (vdpbf16ps: two bf16 products per fp32 lane, fp32 sums)
 //   otherwise AVX2 + FMA (bf16 widened to fp32, one FMA per product)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#if defined(SB_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -114,6 +119,69 @@ static void row_tiles(const bf16* x, int64_t ldx, int64_t m, const bf16* w, int6
   }
 }
 
+#if defined(SB_AMX)
+// AMX: the packed layout is already what a tile dot product reads. For one group and one of its
+// NR blocks of LANES outputs, 16 consecutive reduction steps are 16 rows of LANES bf16 pairs,
+// GROUP * KSTEP elements apart: a B tile. A tile of up to 16 input rows times 16 steps is the A
+// tile. tdpbf16ps computes each row of C from that row of A alone, and every pass takes the
+// steps in the same order, so a row's bits do not depend on how many rows share the tile: the
+// same invariance as `tile` above, at a fraction of its cost per row (a k-row pass streams the
+// weights once for up to 16 rows).
+constexpr int64_t AMX_STEPS = 16;  // reduction steps (bf16 pairs) per tile
+
+// The kernel grants a process the tile data state only on request (Linux 5.16+).
+static bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: the NR accumulators, tmm4: the rows' 16 steps, tmm5-7: weight tiles in turn.
+static void amx_configure(int rows) {
+  static_assert(NR == 4 && LANES == 16 && KSTEP == 2, "the AMX path reads the AVX512 packed layout");
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 5 ? rows : AMX_STEPS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// `rows` (<= 16, the configured count) rows x one group, steps a multiple of AMX_STEPS.
+static void amx_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* y, int64_t ldy) {
+  constexpr int64_t block = LANES * KSTEP, wstride = GROUP * KSTEP * sizeof(bf16);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; s += AMX_STEPS) {
+    const bf16* ws = w + s * GROUP * KSTEP;
+    _tile_loadd(4, x + s * KSTEP, ldx * sizeof(bf16));
+    _tile_loadd(5, ws, wstride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, ws + block, wstride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, ws + 2 * block, wstride);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, ws + 3 * block, wstride);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  const int64_t ystride = ldy * sizeof(float);
+  _tile_stored(0, y, ystride);
+  _tile_stored(1, y + LANES, ystride);
+  _tile_stored(2, y + 2 * LANES, ystride);
+  _tile_stored(3, y + 3 * LANES, ystride);
+}
+#endif
+
 // x [..., K] bf16 @ W.T, W packed by `pack` from [n, K]; returns fp32 [..., n].
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 5,
@@ -130,6 +198,22 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const bf16* wp = packed.data_ptr<bf16>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t ROWS = 16;  // a group's weights are reused by up to ROWS rows while in cache
+#if defined(SB_AMX)
+  // Whether a weight runs on tiles depends on its shape only, never on the rows, so a one-row
+  // step and a k-row pass of the same weight take the same path.
+  if (steps % AMX_STEPS == 0 && amx_permitted()) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      int configured = 0;
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int rows = static_cast<int>(std::min(ROWS, m - r0));
+        if (rows != configured) amx_configure(configured = rows);
+        for (int64_t g = g0; g < g1; ++g)
+          amx_group(xp + r0 * kp, kp, wp + g * stride, steps, yp + r0 * ld + g * GROUP, ld);
+      }
+      if (configured) _tile_release();
+    });
+  } else
+#endif
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < m; r0 += ROWS)
       for (int64_t g = g0; g < g1; ++g)
