@@ -150,6 +150,7 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
     from bench.core.drafters import user_dir
     from bench.core.target import default_device, load_target, resolve_dtype
     from bench.core.training import TrainSettings
+    from bench.core.training.loop import exclusive_folder
     from bench.registry import get_method
     from bench.run import check_device
 
@@ -176,7 +177,8 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
         options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
-    summary = importlib.import_module(info.module).train(loaded, settings)
+    with exclusive_folder(settings.out_dir):
+        summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")
     metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
         "(already complete)"

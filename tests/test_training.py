@@ -449,3 +449,14 @@ def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
     assert abs(float(loss) - float(kl + 0.3 * ce) / len(rows)) < 1e-4 * float(loss)  # fp32 sums, other orders
     assert abs(metrics["kl"] - float(kl) / len(rows)) < 1e-4 * metrics["kl"]
     assert metrics["acc"] == pytest.approx(float((log_q.argmax(-1) == log_p.argmax(-1)).float().mean()))
+
+
+def test_a_second_run_into_the_same_folder_stops_with_one_line(tmp_path):
+    from bench.core.training.loop import exclusive_folder
+
+    with exclusive_folder(tmp_path / "run"):
+        with pytest.raises(BenchError, match=r"another training run \(pid \d+\) is writing to"):
+            with exclusive_folder(tmp_path / "run"):
+                pass
+    with exclusive_folder(tmp_path / "run"):  # released when the first run ends
+        pass

@@ -16,11 +16,14 @@ Checkpoint folder layout (out_dir/checkpoint/, replaced atomically):
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -181,6 +184,34 @@ def _trim_log(path: Path, last_step: int) -> None:
 
 # Loop settings that may change between an interrupted run and its resumption.
 RESUMABLE_CHANGES = ("max_steps", "checkpoint_every_s", "checkpoint_every_steps", "export_every_s")
+
+
+LOCK = ".train.lock"
+
+
+@contextmanager
+def exclusive_folder(out_dir: Path) -> Iterator[None]:
+    """Hold out_dir for one training run: a second run into the same folder (which would
+    interleave checkpoints and log lines with the first) stops with a one-line error instead.
+    An advisory lock the kernel drops when the process dies, so a killed run never leaves it held."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            raise BenchError(f"another training run (pid {holder}) is writing to {out_dir}: "
+                             "wait for it, stop it, or use another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _identity(identity: dict | None, cfg: LoopConfig) -> dict:
