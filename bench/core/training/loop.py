@@ -208,10 +208,7 @@ def exclusive_folder(out_dir: Path) -> Iterator[None]:
         handle.truncate()
         handle.write(str(os.getpid()))
         handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def _identity(identity: dict | None, cfg: LoopConfig) -> dict:
