@@ -215,7 +215,7 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
                 add(f"{method} speedup > 1{where}", task, f"{cell['speedup']:.2f}x{budget}", cell["speedup"] > 1.0,
                     "" if cell["speedup"] > 1.0 else f"{1 / cell['speedup']:.2f}x slower than AR")
     methods = per_task[per_task["method"].ne(BASELINE) & per_task["match_rate"].notna()]
-    for task, group in methods.groupby("task"):  # a divergence at a near-tie of the top-2 logits is told apart
+    for task, group in methods.groupby("task"):  # a divergence at a near tie of the parting tokens is told apart
         inexact, ties = group[group["mismatches"] > 0], group[group["near_ties"] > 0]
         add("every method 100% exact against AR", task, f"{len(group) - len(inexact)} of {len(group)} methods",
             inexact.empty, "; ".join([f"{r.method}: {r.mismatches} mismatched turns" for r in inexact.itertuples()]

@@ -176,16 +176,18 @@ def turn_generator(target, settings: RunSettings, question: Question, turn: int)
     return generator
 
 
-# A k-token verify pass may round differently from a 1-token step. Where the target's top-2
-# logits at the first divergence are closer than this, the flip is floating-point noise.
+# A k-token verify pass may round differently from a 1-token step. Where the target's logits
+# for the two tokens that part at the first divergence are closer than this, the flip is
+# floating-point noise.
 NEAR_TIE_MARGIN = {"float32": 1e-4, "bfloat16": 0.1, "float16": 0.02}
 
 
-def divergence_margin(target, prompt: list[int], prefix: list[int]) -> float:
-    """The target's top-2 logit margin after prompt + prefix (one extra prefill)."""
-    logits = target.engine.prefill(torch.tensor(prompt + prefix)).logits[-1]
-    top2 = logits.topk(2).values
-    return float(top2[0] - top2[1])
+def divergence_margin(target, prompt: list[int], prefix: list[int], ours: int, theirs: int) -> float:
+    """How far apart the target's logits for the two parting tokens are after prompt + prefix
+    (one extra prefill). Only a gap between these two can be rounding: a token far below the
+    top is a real mismatch however close the top two happen to be."""
+    logits = target.engine.prefill(torch.tensor(prompt + prefix)).logits[-1].float()
+    return abs(float(logits[theirs] - logits[ours]))
 
 
 def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSettings, target=None,
@@ -204,7 +206,7 @@ def compare_with_baseline(record: dict, baseline: Side | None, settings: RunSett
         divergence = min(len(ours), len(theirs))
     result = {"exact_match": divergence is None, "first_divergence": divergence}
     if divergence is not None and target is not None and divergence < min(len(ours), len(theirs)):
-        margin = divergence_margin(target, prompt, theirs[:divergence])
+        margin = divergence_margin(target, prompt, theirs[:divergence], ours[divergence], theirs[divergence])
         threshold = NEAR_TIE_MARGIN.get(str(target.engine.dtype).removeprefix("torch."), 1e-4)
         result.update(divergence_margin=margin, near_tie=margin < threshold)
     elif divergence is not None:

@@ -43,20 +43,24 @@ def test_exact_match_and_prompt_mismatch():
 def test_divergence_is_classified_by_the_target_margin(monkeypatch, default_target):
     settings = run_module.RunSettings(method="x", task="t")
     ours, base = _record([5, 6, 7, 8]), _Side(_record([5, 6, 9, 8]))
-    monkeypatch.setattr(run_module, "divergence_margin", lambda target, prompt, prefix: 3e-6)
+    monkeypatch.setattr(run_module, "divergence_margin", lambda target, prompt, prefix, ours, theirs: 3e-6)
     noise = run_module.compare_with_baseline(ours, base, settings, default_target, [1, 2])
     assert noise["exact_match"] is False and noise["first_divergence"] == 2 and noise["near_tie"] is True
-    monkeypatch.setattr(run_module, "divergence_margin", lambda target, prompt, prefix: 2.5)
+    monkeypatch.setattr(run_module, "divergence_margin", lambda target, prompt, prefix, ours, theirs: 2.5)
     real = run_module.compare_with_baseline(ours, base, settings, default_target, [1, 2])
     assert real["near_tie"] is False
 
 
-def test_margin_is_measured_on_the_target(default_target):
+def test_margin_is_measured_on_the_target_between_the_parting_tokens(default_target):
     prompt = [1, 2, 3, 4]
-    margin = run_module.divergence_margin(default_target, prompt, [5])
-    logits = default_target.engine.prefill(__import__("torch").tensor(prompt + [5])).logits[-1]
-    top2 = logits.topk(2).values
-    assert abs(margin - float(top2[0] - top2[1])) < 1e-6 and margin >= 0
+    logits = default_target.engine.prefill(__import__("torch").tensor(prompt + [5])).logits[-1].float()
+    top, runner_up = logits.topk(2).indices.tolist()
+    bottom = int(logits.argmin())
+    close = run_module.divergence_margin(default_target, prompt, [5], runner_up, top)
+    assert abs(close - float(logits[top] - logits[runner_up])) < 1e-6
+    # a token far below the top is a real mismatch, however close the top two are
+    far = run_module.divergence_margin(default_target, prompt, [5], bottom, top)
+    assert far == run_module.divergence_margin(default_target, prompt, [5], top, bottom) > close
 
 
 class _CorruptingDrafter(Drafter):
