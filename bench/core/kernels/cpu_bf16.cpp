@@ -214,10 +214,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
     });
   } else
 #endif
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t r0 = 0; r0 < m; r0 += ROWS)
-      for (int64_t g = g0; g < g1; ++g)
-        row_tiles(xp + r0 * kp, kp, std::min(ROWS, m - r0), wp + g * stride, steps, yp + r0 * ld + g * GROUP, ld);
+  // The threads split (row chunk, group, tile of 4 rows) units, in that order: a weight with few
+  // groups (an o or down projection: 9 of them) still keeps both cores busy at 16 rows, and a
+  // thread's consecutive tiles of one group read its weights from cache.
+  const int64_t tiles = (std::min(ROWS, m) + 3) / 4, chunks = (m + ROWS - 1) / ROWS;
+  at::parallel_for(0, chunks * groups * tiles, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = u / (groups * tiles) * ROWS + u % tiles * 4, g = u / tiles % groups;
+      if (r < m)
+        row_tiles(xp + r * kp, kp, std::min<int64_t>(4, m - r), wp + g * stride, steps, yp + r * ld + g * GROUP, ld);
+    }
   });
   auto out = ld == n ? y : y.slice(1, 0, n);
   auto shape = x.sizes().vec();
@@ -602,6 +608,49 @@ torch::Tensor slot_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor 
 // in fp32), every row on its own.
 static inline float round_bf16(float a) { return static_cast<float>(static_cast<bf16>(a)); }
 
+// The same rounding on whole vectors (c10's round-to-nearest-even, NaN to 0x7fc0), so the
+// elementwise ops below run vectorised with the scalar ops' bits: every step is one IEEE
+// operation (mul, add, div: correctly rounded either way) followed by that rounding.
+#if defined(SB_AVX512BF16)
+static inline vec vround(vec a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(r);
+}
+static inline void vstore_bf16(bf16* p, vec a) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(vround(a)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline vec vneg(vec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+#else
+static inline vec vround(vec a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+static inline void vstore_bf16(bf16* p, vec a) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(vround(a)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+#endif
+
+// to[i] = bf16(from_bf16[i] + round(add[i])) for n values: a residual add.
+static void residual_into(const bf16* x, const float* add, int64_t n, bf16* to) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) vstore_bf16(to + i, vadd(vload_bf16(x + i), vround(vload(add + i))));
+  for (; i < n; ++i) to[i] = static_cast<bf16>(static_cast<float>(x[i]) + round_bf16(add[i]));
+}
+
 // HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded, times the weight, rounded.
 static void rms_norm_rows(const bf16* x, const bf16* w, int64_t rows, int64_t d, double eps, bf16* out) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -615,7 +664,11 @@ static void rms_norm_rows(const bf16* x, const bf16* w, int64_t rows, int64_t d,
     float sum = vsum(acc);
     for (; i < d; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float scale = 1.0f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t j = 0; j < d; ++j)
+    const vec vscale = vset1(scale);
+    int64_t j = 0;
+    for (; j + LANES <= d; j += LANES)
+      vstore_bf16(out + r * d + j, vmul(vload_bf16(w + j), vround(vmul(vload_bf16(xr + j), vscale))));
+    for (; j < d; ++j)
       out[r * d + j] = static_cast<bf16>(static_cast<float>(w[j]) * round_bf16(static_cast<float>(xr[j]) * scale));
   }
 }
@@ -649,15 +702,28 @@ std::vector<torch::Tensor> layer_inputs(torch::Tensor x, torch::Tensor norm, tor
     for (int64_t head = 0; head < heads + kv_heads; ++head) {
       bf16* out = head < heads ? qp + (head * rows + r) * dim : kp + ((head - heads) * rows + r) * dim;
       const float* in = yr + head * dim;
+      if (half % LANES == 0) {  // out = round(round(in) cos) + round(rotate_half(round(in)) sin)
+        for (int64_t i = 0; i < half; i += LANES) {
+          const vec lo = vround(vload(in + i)), hi = vround(vload(in + half + i));
+          const vec c_lo = vload_bf16(cr + i), c_hi = vload_bf16(cr + half + i);
+          const vec s_lo = vload_bf16(sr + i), s_hi = vload_bf16(sr + half + i);
+          vstore_bf16(out + i, vadd(vround(vmul(lo, c_lo)), vround(vmul(vneg(hi), s_lo))));
+          vstore_bf16(out + half + i, vadd(vround(vmul(hi, c_hi)), vround(vmul(lo, s_hi))));
+        }
+        continue;
+      }
       for (int64_t i = 0; i < dim; ++i) {
         const float xi = round_bf16(in[i]);
         const float rot = i < half ? -round_bf16(in[i + half]) : round_bf16(in[i - half]);
         out[i] = static_cast<bf16>(round_bf16(xi * static_cast<float>(cr[i])) + round_bf16(rot * static_cast<float>(sr[i])));
       }
     }
-    for (int64_t head = 0; head < kv_heads; ++head)
-      for (int64_t i = 0; i < dim; ++i)
-        vp[(head * rows + r) * dim + i] = static_cast<bf16>(yr[(heads + kv_heads + head) * dim + i]);
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      int64_t i = 0;
+      for (; i + LANES <= dim; i += LANES)
+        vstore_bf16(vp + (head * rows + r) * dim + i, vload(yr + (heads + kv_heads + head) * dim + i));
+      for (; i < dim; ++i) vp[(head * rows + r) * dim + i] = static_cast<bf16>(yr[(heads + kv_heads + head) * dim + i]);
+    }
   }
   return {q, k, v};
 }
@@ -678,8 +744,7 @@ torch::Tensor layer_outputs(torch::Tensor x, torch::Tensor attn, torch::Tensor o
   const bf16* xi = x.data_ptr<bf16>();
   {
     auto projected = linear(attn.contiguous(), o, d);
-    const float* pp = projected.data_ptr<float>();
-    for (int64_t i = 0; i < rows * d; ++i) xo[i] = static_cast<bf16>(static_cast<float>(xi[i]) + round_bf16(pp[i]));
+    residual_into(xi, projected.data_ptr<float>(), rows * d, xo);
   }
   auto h = torch::empty_like(x);
   rms_norm_rows(xo, norm.contiguous().data_ptr<bf16>(), rows, d, eps, h.data_ptr<bf16>());
@@ -692,7 +757,12 @@ torch::Tensor layer_outputs(torch::Tensor x, torch::Tensor attn, torch::Tensor o
       const float* gr = g + r * gate_up_n;
       int64_t i = 0;
       alignas(64) float lanes[LANES];
-      for (; i < inter; i += LANES) {  // silu(gate) = gate / (1 + exp(-gate)), rounded; then * up, rounded
+      for (; i + LANES <= inter; i += LANES) {  // silu(gate) = gate / (1 + exp(-gate)), rounded; then * up, rounded
+        const vec gate = vround(vload(gr + i));
+        const vec silu = vround(vdiv(gate, vadd(vset1(1.0f), vexp(vneg(gate)))));
+        vstore_bf16(a + r * inter + i, vmul(silu, vround(vload(gr + inter + i))));
+      }
+      for (; i < inter; i += LANES) {  // the tail, lane by lane
         const int64_t m = std::min(LANES, inter - i);
         for (int64_t l = 0; l < LANES; ++l) lanes[l] = l < m ? -round_bf16(gr[i + l]) : 0.0f;
         vstore(lanes, vexp(vload(lanes)));
@@ -705,8 +775,7 @@ torch::Tensor layer_outputs(torch::Tensor x, torch::Tensor attn, torch::Tensor o
     }
   }
   auto mlp = linear(act, down, d);
-  const float* mp = mlp.data_ptr<float>();
-  for (int64_t i = 0; i < rows * d; ++i) xo[i] = static_cast<bf16>(static_cast<float>(xo[i]) + round_bf16(mp[i]));
+  residual_into(xo, mlp.data_ptr<float>(), rows * d, xo);
   return out;
 }
 
