@@ -59,6 +59,22 @@ def cpu_isa() -> str:
     return "other"
 
 
+def cpu_model() -> str:
+    """The CPU's vendor family, model and stepping (/proc/cpuinfo): two hosts that share a model
+    name ("AMD EPYC") and tier measured half each other's matmul rate here."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("vendor_id", "cpu family", "model", "stepping") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        pass
+    return " ".join(f"{k} {v}" for k, v in fields.items()) or "unknown"
+
+
 def machine_key(device: str) -> str:
     """A file-name key for this machine: the device's name, and on a CPU its matmul tier."""
     name = device_name(device) + ("" if device.startswith("cuda") else f" {cpu_isa()}")
@@ -78,7 +94,7 @@ def provenance(device: str) -> dict:
         "packages": versions,
         "device": device,
         "device_name": device_name(device),
-        **({} if device.startswith("cuda") else {"cpu_isa": cpu_isa()}),
+        **({} if device.startswith("cuda") else {"cpu_isa": cpu_isa(), "cpu_model": cpu_model()}),
         "torch_threads": torch.get_num_threads(),
         "hostname": platform.node(),
         "platform": platform.platform(),
