@@ -131,9 +131,12 @@ def _is_target_dir(folder: Path) -> bool:
 
 
 def _read_profiles(target_dir: Path, problems: list[Problem]) -> list[dict]:
-    """`bench profile` outputs (results/<target>/profile/<device>-<dtype>.json)."""
+    """`bench profile` outputs (results/<target>/profile/<device>-<dtype>-<machine>-t<threads>.json);
+    the folder's other records (scripts' A/B runs: kernels-ab-, train-ab-, omp-wait-, ...) are
+    not profiles and are left alone."""
     profiles = []
-    for path in sorted((target_dir / "profile").glob("*.json")):
+    folder = target_dir / "profile"
+    for path in sorted([*folder.glob("cpu-*.json"), *folder.glob("cuda-*.json")]):
         try:
             profile = json.loads(path.read_text(encoding="utf-8"))
             rows = profile["rows"]

@@ -236,6 +236,19 @@ def test_figures_profile_and_gpu(tmp_path):
     assert isinstance(drawn["profile"], Figured)
 
 
+def test_only_profiles_are_read_as_profiles(tmp_path):
+    """The profile folder also keeps scripts' A/B records (kernels-ab-, train-ab-, ...): they are
+    not hardware profiles and are not reported as damaged ones; a damaged profile is."""
+    write_run(tmp_path, "mtbench", "ar", "t", [turn("1")])
+    folder = write_profile(tmp_path).parent
+    (folder / "train-ab-sps-abc1234-test-cpu.json").write_text(json.dumps({"what": "an A/B record"}))
+    (folder / "cpu-bfloat16-test-cpu-t2.json").write_text("{not json")
+    records = load_records(tmp_path)
+    assert len(records.profiles) == 1
+    in_folder = [(p.kind, Path(p.where).name) for p in records.problems if Path(p.where).parent == folder]
+    assert in_folder == [("corrupt", "cpu-bfloat16-test-cpu-t2.json")]
+
+
 class _Images(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
