@@ -157,7 +157,7 @@ train-at-scale: $(STAMP)
 	for m in eagle3 dflash dspark eagle mtp medusa sps; do $(BIN)/bench ship --method $$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
-# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>, and their report in
+# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in
 # plots/scaling/ beside the series SCALE_COMPARE (the drafters shipped before, run the same way).
 SCALE_METHODS ?= eagle3 dflash
 SCALE_COMPARE ?= shipped-s10

@@ -89,6 +89,22 @@ def split_revision(tag: str) -> tuple[str, int]:
     return (match["series"], int(match["rev"])) if match else (tag, 1)
 
 
+# The scaling runs (scripts/scaling_runs.py): a drafter kept at N trained tokens runs under
+# `scale-<N>-<run>`, <run> naming its training run (a hash of what fixes the run), so two runs
+# whose copies saw the same token counts keep apart; `scale-<N>` is the older form.
+SCALING_TAG = re.compile(r"^scale-(?P<tokens>\d+)(?:-(?P<run>[0-9a-f]{8}))?$")
+
+
+def scaling_tag(tokens: int, run: str) -> str:
+    return f"scale-{tokens}-{run}"
+
+
+def scaling_run(series: str) -> str | None:
+    """The training run a scaling series names (None: not a scaling series, or the older form)."""
+    match = SCALING_TAG.match(series)
+    return match["run"] if match else None
+
+
 def parse_tag(tag: str | None) -> tuple[str, int, int]:
     """(series, revision, repeat) of a recorded tag: "grid.r2.rep3" -> ("grid", 2, 3)."""
     rest, repeat = split_repeat(tag)

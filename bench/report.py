@@ -124,7 +124,8 @@ STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag'
 
 
 def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
-    """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>) where results_dir has them."""
+    """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>-<run>, or the older
+    scale-<tokens>) where results_dir has them."""
     tags = sorted({p.stem.split("-", 1)[1] for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")})
     if not tags:
         return None

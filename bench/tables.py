@@ -29,7 +29,7 @@ import pandas as pd
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run
+from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run, scaling_run
 from bench.specbench import speedup_specbench
 
 CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
@@ -338,6 +338,14 @@ def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
     return row
 
 
+def _drafter_run(series: str, drafter: dict) -> str | None:
+    """The training run a drafter comes from: its folder (whose copies kept at N tokens sit in
+    kept/<N>-tokens/), and the run a scaling series names, since later runs reuse a folder."""
+    folder = re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None
+    run = scaling_run(series)
+    return f"{folder}@{run}" if folder and run else folder
+
+
 def _base_for(records: Records, run: RunFile) -> RunFile | None:
     """The baseline run of the same tag: a method not yet rerun into a newer revision keeps
     the baseline it was interleaved with, though that baseline's newer revision is shown."""
@@ -370,8 +378,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
                 "trained_tokens": drafter.get("trained_tokens"),
-                # the training run: its folder, whose copies kept at N tokens sit in kept/<N>-tokens/
-                "drafter_run": re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None,
+                "drafter_run": _drafter_run(run.series, drafter),
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
                 "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns

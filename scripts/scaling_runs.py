@@ -1,6 +1,8 @@
 """The scaling figure's runs: every drafter one training run kept (`bench train --keep-at`)
-and its final one, on the scaling tasks, each under its own tag `scale-<tokens>`, greedy,
-so that `bench report` draws τ against training tokens and fits the trend.
+and its final one, on the scaling tasks, each under its own tag `scale-<tokens>-<run>`
+(<run>: a hash of what fixes the training run, so a later run into the same folder whose
+copies saw the same token counts gets tags of its own), greedy, so that `bench report` draws
+τ against training tokens and fits the trend, one line per training run.
 
     python -m scripts.scaling_runs --method eagle3 --method dflash    # then plots/scaling/report.html
 
@@ -10,6 +12,8 @@ every turn is checked for exactness.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +23,15 @@ from tqdm import tqdm
 from bench.core.errors import BenchError
 
 TASKS = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10}}  # the grid's sample of each
+# What a drafter manifest's training section holds that is fixed for a whole run (not the steps so far).
+RUN_FIELDS = ("max_steps", "batch_size", "lr", "warmup_steps", "seed", "settings", "features", "feature_tokens")
+
+
+def training_run(manifest: dict) -> str:
+    """8 hex digits naming the training run a drafter (a kept copy or the final one) comes from."""
+    training = manifest.get("training", {})
+    identity = {"method": manifest.get("method"), **{k: training.get(k) for k in RUN_FIELDS}}
+    return hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
@@ -72,14 +85,18 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
         for task in tasks or TASKS:
             for tokens, drafter in drafters:
                 plan.append((method, task, tokens, drafter))
-    for method, task, tokens, drafter in tqdm(plan, desc="scaling runs"):
-        settings = RunSettings(method=method, task=task, max_new_tokens=max_new_tokens, tag=f"scale-{tokens}",
+    from bench.core.drafters import read_manifest
+    from bench.records import scaling_tag
+
+    tag_of = {drafter: scaling_tag(tokens, training_run(read_manifest(drafter))) for _, _, tokens, drafter in plan}
+    for method, task, _, drafter in tqdm(plan, desc="scaling runs"):
+        settings = RunSettings(method=method, task=task, max_new_tokens=max_new_tokens, tag=tag_of[drafter],
                                results_dir=results_dir, method_options={"drafter": str(drafter.resolve())},
                                **TASKS.get(task, {"limit": 10}))
         run(settings)  # a finished record is read back, not run again
     from bench.report import make_report
 
-    tags = tuple(sorted({f"scale-{tokens}" for _, _, tokens, _ in plan})) + tuple(compare)
+    tags = tuple(sorted(set(tag_of.values()))) + tuple(compare)
     report = make_report(Path(results_dir), Path(report_dir), tasks=tuple(tasks or TASKS),
                          methods=("ar", *methods), tags=tags)
     click.echo(f"report: {report['html']}")

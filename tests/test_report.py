@@ -552,6 +552,34 @@ def test_scaling_figure_from_drafters_kept_at_several_sizes(tmp_path):
     assert list(pd.read_csv(figure.png.parent / "scaling_fit.csv")["sizes"]) == [2]
 
 
+def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(tmp_path):
+    """scripts/scaling_runs names a kept copy's tag by its training run: a later run into the same
+    folder whose copies saw the same token counts gets other tags (a tag's records hold one
+    drafter), and the tables tell the two runs apart, so neither line mixes in the other's points."""
+    from bench.records import scaling_run, scaling_tag
+    from scripts.scaling_runs import training_run
+
+    def manifest(pool, steps):
+        return {"method": "pld", "training": {"max_steps": 4632, "batch_size": 4, "lr": 6e-4, "seed": 0,
+                                              "settings": {"ttt_steps": 7}, "feature_tokens": pool, "steps": steps}}
+
+    first, later = training_run(manifest(1_300_229, 200)), training_run(manifest(4_373_615, 200))
+    assert training_run(manifest(1_300_229, 4632)) == first != later  # a run's copies share it
+    assert scaling_run(scaling_tag(201_036, first)) == first and scaling_run("scale-201036") is None
+    keys = [("1", 1), ("1", 2)]
+    for run, accepted in ((first, (1, 1, 1)), (later, (3, 2, 1))):
+        for tokens in (200_000, 1_000_000):
+            tag = scaling_tag(tokens, run)
+            write_run(tmp_path, "mtbench", "ar", tag, [turn(q, n) for q, n in keys])
+            write_run(tmp_path, "mtbench", "pld", tag,
+                      [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True, proposed=(3, 3, 3),
+                            accepted=accepted) for q, n in keys],
+                      drafter={"drafter": f"out/kept/{tokens}-tokens", "trained_tokens": tokens})
+    per_task = build_tables(load_records(tmp_path)).per_task
+    runs = per_task[per_task["trained_tokens"].notna()].groupby("drafter_run")["trained_tokens"].apply(sorted)
+    assert runs.to_dict() == {f"out@{first}": [200_000, 1_000_000], f"out@{later}": [200_000, 1_000_000]}
+
+
 def test_scaling_fit_extrapolates_to_the_goal():
     """τ = 1 + 0.5 log10(tokens / 1e5) for eagle3 on MT-bench: +0.5 per tenfold data, the goal
     τ = 3 at 1e9 tokens; a flat line gives no estimate; a goal already met reports the size."""
