@@ -644,7 +644,7 @@ static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
 static inline vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
 #endif
 
-// to[i] = bf16(from_bf16[i] + round(add[i])) for n values: a residual add.
+// to[i] = bf16(x[i] + round(add[i])) for n values: a residual add (to may be x).
 static void residual_into(const bf16* x, const float* add, int64_t n, bf16* to) {
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES) vstore_bf16(to + i, vadd(vload_bf16(x + i), vround(vload(add + i))));
