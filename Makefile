@@ -138,23 +138,27 @@ oracle-sweep: $(STAMP)
 # (`make train-at-scale` again continues), then shipped over the old files (`bench ship`, which
 # checks the 100 MB budget: EAGLE-3 projects with the target's lm_head rows, DSpark's Markov head
 # has rank 32). The features of every method's taps are extracted first in one target pass
-# (2,15,27,28,30: 9.2 GB per tap at 8M tokens; a cache grows, so a smaller run's cache is the
-# start of this one). EAGLE-3 and DFlash keep copies at 0.2M and 1M trained tokens for the
-# scaling figure. TRAIN_ARGS adds e.g. `--device cuda` or `--threads 2`.
-SCALE_TOKENS ?= 8000000
+# (2,15,27,28,30: 5.1 GB per tap at the 4.37M tokens 5M gives; a cache grows, so a smaller run's
+# cache is the start of this one). EAGLE-3 and DFlash keep copies at 0.2M and 1M trained tokens for
+# the scaling figure. SCALE_TRAIN picks the methods (a session's share on a 2-core CPU: one, e.g.
+# `make train-at-scale SCALE_TRAIN=eagle3 TRAIN_ARGS="--threads 2"`); TRAIN_ARGS adds e.g.
+# `--device cuda` or `--threads 2`. mtp-parallel is MTP's parallel variant, kept apart (not shipped).
+SCALE_TOKENS ?= 5000000
 SCALE_DATA ?= --option self_distill=true --option feature_tokens=$(SCALE_TOKENS) --epochs 2
+SCALE_TRAIN ?= eagle3 dflash dspark eagle mtp mtp-parallel medusa sps
 TRAIN_ARGS ?=
+SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6
+SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6
+SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50
+SCALE_ARGS_eagle :=
+SCALE_ARGS_mtp := --option variant=sequential
+SCALE_ARGS_mtp-parallel := --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp
+SCALE_ARGS_medusa := --option num_heads=5
+SCALE_ARGS_sps := --max-len 512
 train-at-scale: $(STAMP)
 	$(BIN)/bench features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
-	$(BIN)/bench train --method eagle3 $(SCALE_DATA) --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(TRAIN_ARGS)
-	$(BIN)/bench train --method dflash $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(TRAIN_ARGS)
-	$(BIN)/bench train --method dspark $(SCALE_DATA) --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 $(TRAIN_ARGS)
-	$(BIN)/bench train --method eagle $(SCALE_DATA) $(TRAIN_ARGS)
-	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=sequential $(TRAIN_ARGS)
-	$(BIN)/bench train --method mtp $(SCALE_DATA) --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp $(TRAIN_ARGS)
-	$(BIN)/bench train --method medusa $(SCALE_DATA) --option num_heads=5 $(TRAIN_ARGS)
-	$(BIN)/bench train --method sps $(SCALE_DATA) --max-len 512 $(TRAIN_ARGS)
-	for m in eagle3 dflash dspark eagle mtp medusa sps; do $(BIN)/bench ship --method $$m || exit 1; done
+	$(foreach m,$(SCALE_TRAIN),$(BIN)/bench train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) $(TRAIN_ARGS) &&) true
+	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BIN)/bench ship --method $$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
 # SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in
