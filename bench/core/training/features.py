@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -177,8 +178,11 @@ def feature_caches() -> list[FeatureStore]:
 def describe_cache(store: FeatureStore) -> str:
     size = sum(p.stat().st_size for p in store.folder.iterdir() if p.is_file())
     state = "done" if store.index.get("done") else "partial"
+    timed = [s for s in store.index.get("shards", []) if "seconds" in s]
+    rate = (f", extracted at {sum(s['tokens'] for s in timed) / max(1e-9, sum(s['seconds'] for s in timed)):.0f} tok/s"
+            if timed else "")
     return (f"{store.folder}: {store.num_tokens} tokens ({state}), taps {list(store.taps)}, "
-            f"{size / 2**30:.2f} GiB")
+            f"{size / 2**30:.2f} GiB{rate}")
 
 
 def drop_taps(store: FeatureStore, taps: tuple[int, ...]) -> FeatureStore:
@@ -361,6 +365,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 batch.append(sequence)
             if not batch:
                 break
+            began = time.perf_counter()
             shard = _extract_shard(engine, [(tokens, mask) for tokens, mask, _ in batch], all_taps)
             for tap in all_taps:  # the states first: a shard counts once the index lists it
                 _append_rows(tap_file(folder, tap), shard.pop(f"h{tap}"))
@@ -368,7 +373,8 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             _save_shard(folder / name, shard)
             tokens = int(shard["tokens"].numel())
             index["shards"].append({"file": name, "sequences": len(batch), "tokens": tokens,
-                                    "reply_tokens": int(shard["loss_mask"].sum())})
+                                    "reply_tokens": int(shard["loss_mask"].sum()),
+                                    "seconds": round(time.perf_counter() - began, 2)})  # the pass and the writes
             if batch[-1][2] is not None:  # the distilled rows read so far, per shard (JSON keys are strings)
                 index["distilled_read"] = {str(k): v for k, v in batch[-1][2].items()}
             write_json(index_path, index)
