@@ -451,6 +451,23 @@ def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
     assert metrics["acc"] == pytest.approx(float((log_q.argmax(-1) == log_p.argmax(-1)).float().mean()))
 
 
+def test_soft_cross_entropy_is_the_textbook_loss_and_gradient():
+    """vocab_rows.soft_cross_entropy: -(p . log_softmax(z)) per row, and the logit gradient
+    autograd gives that expression (EAGLE-3's per-step loss)."""
+    from bench.core.training.vocab_rows import soft_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    z = (torch.randn(7, 300, generator=generator) * 4).requires_grad_(True)
+    p = torch.randn(7, 300, generator=generator).softmax(-1)
+    weights = torch.rand(7, generator=generator)
+    (soft_cross_entropy(z, p) * weights).sum().backward()
+    ours, z.grad = z.grad, None
+    textbook = -(p * z.log_softmax(-1)).sum(-1)
+    (textbook * weights).sum().backward()
+    assert torch.allclose(soft_cross_entropy(z.detach(), p), textbook.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ours, z.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_second_run_into_the_same_folder_stops_with_one_line(tmp_path):
     from bench.core.training.loop import exclusive_folder
 

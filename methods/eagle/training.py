@@ -30,7 +30,7 @@ from torch import Tensor
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
-from bench.core.training.vocab_rows import agrees
+from bench.core.training.vocab_rows import agrees, soft_cross_entropy
 from methods.eagle.model import EagleConfig, EagleHead
 
 FORMAT = "spec-bench-eagle/1"
@@ -199,18 +199,21 @@ class EagleObjective:
         total = torch.zeros((), device=tokens.device)
         weight_sum = 0.0
         metrics: dict[str, float] = {}
-        # The target's distribution at every row, once: step i reads it i rows further on.
+        # The target's distribution over the draft vocabulary at every label row, once (row t+1
+        # holds position t's label; step i reads it i rows further on), and whether its argmax
+        # lies in the draft vocabulary.
         final = batch[f"h{self.final_tap}"]
         any_valid = self.labels(batch, 0)[0]
         with torch.no_grad():
-            logits_at = final.new_zeros(final.shape[:2] + (draft_ids.numel(),))
-            argmax_at = torch.zeros(final.shape[:2], dtype=torch.long, device=final.device)
             rows = torch.zeros_like(any_valid)
-            rows[:, 1:] = any_valid[:, :-1]  # row t+1 holds the label of position t
+            rows[:, 1:] = any_valid[:, :-1]
             full = F.linear(final[rows], self.lm_head).float()
-            logits_at[rows] = full[:, draft_ids]
-            argmax_at[rows] = full.argmax(-1)
+            argmax_rows = full.argmax(-1)
+            probs_rows = full[:, draft_ids].softmax(-1)
+            in_vocab_rows = torch.isin(argmax_rows, draft_ids)
             del full
+            row_index = torch.full(rows.shape, -1, dtype=torch.long, device=rows.device)
+            row_index[rows] = torch.arange(int(rows.sum()), device=rows.device)
         for step in range(s.ttt_steps):
             embeds = F.embedding(shifted(tokens, 1 + step), self.embed)
             q, k, v = head.qkv(hidden, embeds, base_positions + step)
@@ -224,16 +227,15 @@ class EagleObjective:
             valid = valid & shifted(rows, 1 + step, False)
             with torch.no_grad():
                 at_batch, at_row = valid.nonzero(as_tuple=True)  # labels at row t+1+step (< length)
-                target_argmax = argmax_at[at_batch, at_row + 1 + step]
-                in_vocab = torch.isin(target_argmax, draft_ids)
-                target_probs = logits_at[at_batch, at_row + 1 + step].softmax(-1)
-            log_q = head.logits(out[valid], self.lm_head).float().log_softmax(-1)
+                label = row_index[at_batch, at_row + 1 + step]
+                in_vocab = in_vocab_rows[label]
+            logits = head.logits(out[valid], self.lm_head).float()
             if in_vocab.any():
-                ce = -(target_probs[in_vocab] * log_q[in_vocab]).sum(-1).mean()
+                ce = (soft_cross_entropy(logits, probs_rows[label]) * in_vocab).sum() / in_vocab.sum()
                 total = total + s.step_decay ** step * ce
                 weight_sum += s.step_decay ** step
                 # the head's argmax is the target's greedy token (never, where that is outside the draft vocabulary)
-                agree = in_vocab & agrees(log_q.detach(), torch.searchsorted(draft_ids, target_argmax).clamp(
+                agree = in_vocab & agrees(logits.detach(), torch.searchsorted(draft_ids, argmax_rows[label]).clamp(
                     max=draft_ids.numel() - 1))
                 metrics[f"acc{step}"] = float(agree.float().mean())
                 metrics[f"ce{step}"] = float(ce.detach())

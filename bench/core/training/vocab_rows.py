@@ -31,3 +31,24 @@ def rowdot(a: Tensor, b: Tensor) -> Tensor:
 def agrees(q: Tensor, index: Tensor) -> Tensor:
     """Whether index[m] is an argmax of row m of q [m, V] (probabilities or logits)."""
     return q.gather(1, index[:, None]).squeeze(1) == q.amax(-1)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: Tensor, p: Tensor) -> Tensor:
+        q, lse = softmax_lse(z)
+        ctx.save_for_backward(q, p)
+        return lse - rowdot(p, z)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        q, p = ctx.saved_tensors
+        return (q - p) * grad[:, None], None
+
+
+def soft_cross_entropy(z: Tensor, p: Tensor) -> Tensor:
+    """-(p . log_softmax(z)) of each row, for fp32 logits z [m, V] and target probabilities p
+    (rows summing to 1, no gradient): log-sum-exp(z) - p . z, whose logit gradient is
+    softmax(z) - p, kept from the forward's one softmax pass (no [m, V] log-softmax, product
+    or their backward passes)."""
+    return _SoftCrossEntropy.apply(z, p)
