@@ -16,7 +16,6 @@ for this CPU's best tier, then
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import subprocess
@@ -31,17 +30,12 @@ SOURCE = Path("bench/core/kernels/cpu_bf16.cpp")
 
 def build_base(revision: str, tier: str):
     """The kernels as they are at `revision`, built for `tier` under a name of their own."""
-    from torch.utils.cpp_extension import load
-
     from bench.core import cpu_kernels
 
     text = subprocess.run(["git", "show", f"{revision}:{SOURCE}"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha1(text.encode()).hexdigest()[:10]
-    folder = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
-    source = folder / "cpu_bf16_base.cpp"
+    source = Path(tempfile.mkdtemp(prefix="kernels-ab-")) / "cpu_bf16_base.cpp"
     source.write_text(text)
-    return load(name=f"spec_bench_cpu_bf16_base_{tier}_{digest}", sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", *cpu_kernels.TIERS[tier][1]], extra_ldflags=["-fopenmp"])
+    return cpu_kernels.build(source, tier, prefix="spec_bench_cpu_bf16_base")
 
 
 def _inputs(generator: torch.Generator, rows: int, scale: float) -> dict:

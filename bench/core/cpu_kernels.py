@@ -57,13 +57,7 @@ def kernels(tier: str | None = None) -> ModuleType | None:
     if tier is None or not enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        # Named by tier and source: checkouts of two versions (a run from a clone beside the
-        # main tree) each keep their own build instead of rebuilding one folder in turn.
-        version = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
-        return load(name=f"spec_bench_cpu_bf16_{tier}_{version}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp", *TIERS[tier][1]], extra_ldflags=["-fopenmp"], verbose=False)
+        return build(SOURCE, tier)
     except Exception as error:  # no compiler, headers or disk: the engine's earlier path still works
         print(f"spec-bench: CPU bf16 kernels not built ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
               "using oneDNN and fp64 attention", file=sys.stderr)
@@ -71,6 +65,17 @@ def kernels(tier: str | None = None) -> ModuleType | None:
 
 
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def build(source: Path, tier: str, prefix: str = "spec_bench_cpu_bf16") -> ModuleType:
+    """Compile `source` for `tier` (torch caches the build). Named by tier and source: checkouts
+    of two versions (a run from a clone beside the main tree, scripts.kernels_ab's base) each
+    keep their own build instead of rebuilding one folder in turn."""
+    from torch.utils.cpp_extension import load
+
+    version = hashlib.sha1(Path(source).read_bytes()).hexdigest()[:10]
+    return load(name=f"{prefix}_{tier}_{version}", sources=[str(source)],
+                extra_cflags=["-O3", "-fopenmp", *TIERS[tier][1]], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
