@@ -155,10 +155,14 @@ SCALE_ARGS_mtp := --option variant=sequential
 SCALE_ARGS_mtp-parallel := --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp
 SCALE_ARGS_medusa := --option num_heads=5
 SCALE_ARGS_sps := --max-len 512
-train-at-scale: $(STAMP)
-	$(BIN)/bench features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
-	$(foreach m,$(SCALE_TRAIN),$(BIN)/bench train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) $(TRAIN_ARGS) &&) true
-	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BIN)/bench ship --method $$m || exit 1; done
+# Where the packages are there already (a lent GPU machine's image, scripts/gpu_scale.py):
+# `make train-at-scale SETUP= BENCH="python3 -m bench.cli"`.
+SETUP ?= $(STAMP)
+BENCH ?= $(BIN)/bench
+train-at-scale: $(SETUP)
+	$(BENCH) features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
+	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) $(TRAIN_ARGS) &&) true
+	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BENCH) ship --method $$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
 # SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in

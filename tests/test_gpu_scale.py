@@ -1,0 +1,43 @@
+"""scripts.gpu_scale: the drafters' archive survives parts, sends and merging, byte for byte."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_scale
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_pack_send_merge_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_scale, "PART_BYTES", 1000)  # several parts from small files
+    monkeypatch.setattr(gpu_scale, "PARTS_PER_CALL", 2)
+    device, here = tmp_path / "device", tmp_path / "here"
+    shipped = device / "checkpoints" / "smollm2-135m" / "eagle3"
+    shipped.mkdir(parents=True)
+    (shipped / "model.safetensors").write_bytes(bytes(range(256)) * 9)
+    (shipped / "drafter.json").write_text(json.dumps({"method": "eagle3"}))
+    monkeypatch.setenv("BENCH_CACHE", str(device / "cache"))
+    training = device / "cache" / "drafters" / "smollm2-135m" / "eagle3"
+    for name, data in {"model.safetensors": b"w" * 1500, "kept/200000-tokens/model.safetensors": b"k" * 700,
+                       "checkpoint/optimizer.safetensors": b"o" * 5000, ".train.lock": b"1"}.items():
+        (training / name).parent.mkdir(parents=True, exist_ok=True)
+        (training / name).write_bytes(data)
+    packed = device / "packed"
+    index = gpu_scale._pack(["eagle3"], packed, device / "checkpoints")
+    assert len(index["parts"]) >= 4
+    calls = []
+    for first in range(0, len(index["parts"]), 2):
+        calls.append(tmp_path / f"call{first}")
+        gpu_scale.send(first, calls[-1], packed)
+        assert len(list(calls[-1].glob("drafters.part*"))) <= 2
+    with pytest.raises(SystemExit, match="missing"):
+        gpu_scale.merge(calls[:-1], here / "checkpoints")
+    monkeypatch.setenv("BENCH_CACHE", str(here / "cache"))
+    gpu_scale.merge(calls, here / "checkpoints")
+    assert _tree(here / "checkpoints") == _tree(device / "checkpoints")
+    merged = _tree(here / "cache" / "drafters" / "smollm2-135m" / "eagle3")
+    assert merged == {"model.safetensors": b"w" * 1500, "kept/200000-tokens/model.safetensors": b"k" * 700}
