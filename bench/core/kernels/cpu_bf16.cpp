@@ -79,13 +79,19 @@ torch::Tensor pack(torch::Tensor w) {
 
 // MR rows x one group. Each output has one accumulator lane that takes the reduction steps in
 // order 0, 1, ...: the same sequence for every MR, so rows never see each other.
+// `ahead` is a share of the next group's weights, `lines` cache lines of it, `per_step` a step:
+// fetched into L2 while this tile's sums run, so a k-row pass streams the weights during its
+// arithmetic instead of between it (prefetches change no arithmetic).
 template <int MR>
-static inline void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* y, int64_t ldy) {
+static inline void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* y, int64_t ldy,
+                        const char* ahead, int64_t lines, int64_t per_step) {
   vec acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
   for (int64_t s = 0; s < steps; ++s) {
     const bf16* ws = w + s * GROUP * KSTEP;
+    for (int64_t q = s * per_step; q < std::min(lines, (s + 1) * per_step); ++q)
+      _mm_prefetch(ahead + q * 64, _MM_HINT_T1);
 #if defined(SB_AVX512BF16)
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * LANES * KSTEP);
@@ -108,13 +114,14 @@ static inline void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t steps
     for (int j = 0; j < NR; ++j) vstore(y + i * ldy + j * LANES, acc[i][j]);
 }
 
-static void row_tiles(const bf16* x, int64_t ldx, int64_t m, const bf16* w, int64_t steps, float* y, int64_t ldy) {
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) tile<4>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy);
-  switch (m - i) {
-    case 3: tile<3>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
-    case 2: tile<2>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
-    case 1: tile<1>(x + i * ldx, ldx, w, steps, y + i * ldy, ldy); break;
+// Up to 4 rows x one group (one unit of `linear`'s split).
+static void row_tile(const bf16* x, int64_t ldx, int64_t m, const bf16* w, int64_t steps, float* y, int64_t ldy,
+                     const char* ahead, int64_t lines, int64_t per_step) {
+  switch (m) {
+    case 4: tile<4>(x, ldx, w, steps, y, ldy, ahead, lines, per_step); break;
+    case 3: tile<3>(x, ldx, w, steps, y, ldy, ahead, lines, per_step); break;
+    case 2: tile<2>(x, ldx, w, steps, y, ldy, ahead, lines, per_step); break;
+    case 1: tile<1>(x, ldx, w, steps, y, ldy, ahead, lines, per_step); break;
     default: break;
   }
 }
@@ -217,12 +224,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   // The threads split (row chunk, group, tile of 4 rows) units, in that order: a weight with few
   // groups (an o or down projection: 9 of them) still keeps both cores busy at 16 rows, and a
   // thread's consecutive tiles of one group read its weights from cache.
+  // From 9 rows (3 tiles a group) each tile prefetches its share of the next group's weights, the
+  // group the thread takes next (but at the end of its range); fewer rows stream at the memory's
+  // pace and the hardware prefetcher serves them better (scripts.kernels_ab, AMD EPYC).
   const int64_t tiles = (std::min(ROWS, m) + 3) / 4, chunks = (m + ROWS - 1) / ROWS;
+  const int64_t group_lines = stride * static_cast<int64_t>(sizeof(bf16)) / 64;
+  const int64_t per_step = (group_lines / steps + tiles - 1) / tiles, share = per_step * steps;
   at::parallel_for(0, chunks * groups * tiles, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r = u / (groups * tiles) * ROWS + u % tiles * 4, g = u / tiles % groups;
+      const int64_t t = u % tiles, r = u / (groups * tiles) * ROWS + t * 4, g = u / tiles % groups;
+      const char* ahead = reinterpret_cast<const char*>(wp + (g + 1) % groups * stride) + t * share * 64;
+      const int64_t lines = tiles < 3 ? 0 : std::clamp<int64_t>(group_lines - t * share, 0, share);
       if (r < m)
-        row_tiles(xp + r * kp, kp, std::min<int64_t>(4, m - r), wp + g * stride, steps, yp + r * ld + g * GROUP, ld);
+        row_tile(xp + r * kp, kp, std::min<int64_t>(4, m - r), wp + g * stride, steps, yp + r * ld + g * GROUP, ld,
+                 ahead, lines, per_step);
     }
   });
   auto out = ld == n ? y : y.slice(1, 0, n);
