@@ -189,7 +189,10 @@ def hf_generate_step(target, context: int = 512, new_tokens: int = 32, repeats: 
 def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: int = 512, repeats: int = 20,
                    warmup: int = 3, tree_sizes: tuple[int, ...] = (), progress: bool = False) -> dict:
     """Median seconds of one k-token verification pass (logits at every row) after a
-    `context`-token prefix, for chains of every k and for top-2 trees of `tree_sizes` nodes."""
+    `context`-token prefix, for chains of every k and for top-2 trees of `tree_sizes` nodes.
+    The cases take turns, one pass each per round, so a drift of the machine's speed (a
+    neighbour on a shared VM, a clock) falls on every k alike instead of on whichever k was
+    timed then: measured one k after another, t_v(1) came out above t_v(2) on the AMD EPYC."""
     from tqdm import tqdm
 
     device = engine.device
@@ -197,9 +200,9 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, engine.vocab_size, (context,), generator=generator)
     engine.prefill(prefix, logits_rows="none")
-    rows = []
     cases = [("chain", k) for k in ks] + [("tree", n) for n in tree_sizes]
-    for kind, k in tqdm(cases, desc="t_v(k)", disable=not progress):
+    passes = []
+    for kind, k in cases:
         tokens = torch.randint(0, engine.vocab_size, (k,), generator=generator).to(device)
         if kind == "chain":
             positions, mask = None, None
@@ -213,9 +216,13 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
 
         for _ in range(warmup):
             one_pass()
-        times = [timer(one_pass) for _ in range(repeats)]
-        rows.append({"kind": kind, "k": k, "median_s": statistics.median(times), "min_s": min(times),
-                     "max_s": max(times), "repeats": repeats})
+        passes.append(one_pass)
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in tqdm(range(repeats), desc="t_v(k) rounds", disable=not progress):
+        for case_times, one_pass in zip(times, passes):
+            case_times.append(timer(one_pass))
+    rows = [{"kind": kind, "k": k, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+             "repeats": repeats} for (kind, k), t in zip(cases, times)]
     base = next((r["median_s"] for r in rows if r["kind"] == "chain" and r["k"] == 1), None)
     for row in rows:
         row["ratio_to_k1"] = row["median_s"] / base if base else None
