@@ -93,8 +93,11 @@ def profile_block(profiles: list[dict]) -> str:
                 f"t_v(1) {base['median_s'] * 1e3:.2f} ms")
         bound = profile.get("memory_bound") or {}
         if bound.get("step_over_limit"):
-            head += (f" = {bound['step_over_limit']:.2f}x the memory-bound limit ({bound['weight_bytes'] / 1e6:.0f} MB "
-                     f"at {bound['read_bytes_per_s'] / 1e9:.1f} GB/s)")
+            spread = bound.get("step_over_limit_range")
+            head += (f" = {bound['step_over_limit']:.2f}x the memory-bound limit"
+                     + (f" [{spread[0]:.2f}, {spread[1]:.2f}] over rounds" if spread else "")
+                     + f" ({bound['weight_bytes'] / 1e6:.0f} MB at {bound['read_bytes_per_s'] / 1e9:.1f} GB/s"
+                     + (", read between the passes" if bound.get("rounds") else "") + ")")
         hf = profile.get("hf_generate") or {}
         if hf.get("step_s"):
             head += (f"; transformers.generate {hf['step_s'] * 1e3:.2f} ms/token "

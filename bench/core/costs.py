@@ -110,25 +110,32 @@ def weight_bytes(engine: Engine) -> int:
     return sum(t.numel() * t.element_size() for t in [*tensors, engine.final_norm, engine.lm_head])
 
 
-def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 10) -> float:
-    """Bytes per second of the fastest of `repeats` full reads of a large buffer, with the
-    threads the engine runs with: the memory-bound limit's denominator. The fastest, not the
-    median: on a shared VM the same read ran at 52 and at 85 GB/s in consecutive runs, and the
-    limit is what the memory allows, so the stricter figure."""
-    timer = _timer(device)
-    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
-    buffer.sum()
-    seconds = min(timer(buffer.sum) for _ in range(repeats))
-    return buffer.numel() * 4 / seconds
+class BandwidthRead:
+    """A full read of a large buffer with the threads the engine runs with: timed between the
+    passes it is compared with, so the memory-bound limit and the step it bounds come from the
+    same moments (on a shared VM the same read ran at 32 and at 64 GB/s in runs minutes apart)."""
+
+    def __init__(self, device: torch.device, megabytes: int = 512) -> None:
+        self.buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+        self.nbytes = self.buffer.numel() * 4
+        self.buffer.sum()
+
+    def __call__(self) -> None:
+        self.buffer.sum()
 
 
-def memory_bound(engine: Engine, step_seconds: float | None) -> dict:
-    """The one-token step's memory-bound limit (weight bytes / measured read bandwidth) and
-    the measured step as a multiple of it, both from this run."""
-    nbytes, bandwidth = weight_bytes(engine), read_bandwidth(engine.device)
-    limit = nbytes / bandwidth
-    return {"weight_bytes": nbytes, "read_bytes_per_s": bandwidth, "limit_s": limit,
-            "step_over_limit": step_seconds / limit if step_seconds else None}
+def memory_bound(engine: Engine, step_seconds: list[float], read_seconds: list[float], read_bytes: int) -> dict:
+    """The one-token step's memory-bound limit (weight bytes / measured read bandwidth) and the
+    step as a multiple of it: `step_seconds[i]` and `read_seconds[i]` were timed in the same
+    round, and the multiple is the median over rounds of the step over that round's limit."""
+    nbytes = weight_bytes(engine)
+    bandwidth = read_bytes / statistics.median(read_seconds)
+    paired = [step / (nbytes * read / read_bytes) for step, read in zip(step_seconds, read_seconds)]
+    return {"weight_bytes": nbytes, "read_bytes_per_s": bandwidth, "limit_s": nbytes / bandwidth,
+            "fastest_read_bytes_per_s": read_bytes / min(read_seconds),
+            "step_over_limit": statistics.median(paired) if paired else None,
+            "step_over_limit_range": [min(paired), max(paired)] if paired else None,
+            "rounds": [[step, read] for step, read in zip(step_seconds, read_seconds)] or None}
 
 
 def matmul_rate(engine: Engine, rows: int = 16, repeats: int = 10) -> float:
@@ -190,7 +197,8 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
                    warmup: int = 3, tree_sizes: tuple[int, ...] = (), progress: bool = False) -> dict:
     """Median seconds of one k-token verification pass (logits at every row) after a
     `context`-token prefix, for chains of every k and for top-2 trees of `tree_sizes` nodes.
-    The cases take turns, one pass each per round, so a drift of the machine's speed (a
+    The cases take turns, one pass each per round (and a read of a large buffer, the memory-bound
+    limit's bandwidth), so a drift of the machine's speed (a
     neighbour on a shared VM, a clock) falls on every k alike instead of on whichever k was
     timed then: measured one k after another, t_v(1) came out above t_v(2) on the AMD EPYC."""
     from tqdm import tqdm
@@ -217,16 +225,21 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
         for _ in range(warmup):
             one_pass()
         passes.append(one_pass)
+    read = BandwidthRead(device)
     times: list[list[float]] = [[] for _ in cases]
+    read_times = []
     for _ in tqdm(range(repeats), desc="t_v(k) rounds", disable=not progress):
         for case_times, one_pass in zip(times, passes):
             case_times.append(timer(one_pass))
+        read_times.append(timer(read))
     rows = [{"kind": kind, "k": k, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
              "repeats": repeats} for (kind, k), t in zip(cases, times)]
     base = next((r["median_s"] for r in rows if r["kind"] == "chain" and r["k"] == 1), None)
     for row in rows:
         row["ratio_to_k1"] = row["median_s"] / base if base else None
-    bound = memory_bound(engine, base)
+    one_token = next((t for (kind, k), t in zip(cases, times) if kind == "chain" and k == 1), [])
+    bound = memory_bound(engine, one_token, read_times, read.nbytes)
+    del read
     return {"context": context, "rows": rows, "memory_bound": bound,
             "compute_bound": compute_bound(engine, base)}
 
@@ -238,7 +251,11 @@ def format_profile(profile: dict) -> str:
         lines.append(f"{row['kind']:<6} {row['k']:>4} {row['median_s'] * 1e3:>10.3f} {ratio:>10}")
     bound = profile.get("memory_bound")
     if bound:
-        over = f"; t_v(1) = {bound['step_over_limit']:.2f}x it" if bound.get("step_over_limit") else ""
+        spread = bound.get("step_over_limit_range")
+        over = ""
+        if bound.get("step_over_limit"):
+            over = f"; t_v(1) = {bound['step_over_limit']:.2f}x it"
+            over += f" (rounds {spread[0]:.2f}-{spread[1]:.2f}x)" if spread else ""
         lines.append(f"memory-bound one-token step: {bound['limit_s'] * 1e3:.2f} ms "
                      f"({bound['weight_bytes'] / 1e6:.0f} MB of weights at {bound['read_bytes_per_s'] / 1e9:.1f} "
                      f"GB/s measured){over}")
