@@ -197,10 +197,9 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
                    warmup: int = 3, tree_sizes: tuple[int, ...] = (), progress: bool = False) -> dict:
     """Median seconds of one k-token verification pass (logits at every row) after a
     `context`-token prefix, for chains of every k and for top-2 trees of `tree_sizes` nodes.
-    The cases take turns, one pass each per round (and a read of a large buffer, the memory-bound
-    limit's bandwidth), so a drift of the machine's speed (a
-    neighbour on a shared VM, a clock) falls on every k alike instead of on whichever k was
-    timed then: measured one k after another, t_v(1) came out above t_v(2) on the AMD EPYC."""
+    The cases take turns, one pass each per round, and each round ends with a read of a large
+    buffer (the memory-bound limit's bandwidth): a drift of the machine's speed (a neighbour on
+    a shared VM, a clock) then falls on every case alike, not on whichever was being timed."""
     from tqdm import tqdm
 
     device = engine.device
@@ -239,7 +238,6 @@ def verify_latency(engine: Engine, ks: tuple[int, ...] = DEFAULT_KS, context: in
         row["ratio_to_k1"] = row["median_s"] / base if base else None
     one_token = next((t for (kind, k), t in zip(cases, times) if kind == "chain" and k == 1), [])
     bound = memory_bound(engine, one_token, read_times, read.nbytes)
-    del read
     return {"context": context, "rows": rows, "memory_bound": bound,
             "compute_bound": compute_bound(engine, base)}
 
