@@ -144,6 +144,9 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
 
+    if epochs is not None and click.get_current_context().get_parameter_source("max_steps") \
+            is not click.core.ParameterSource.DEFAULT:
+        raise BenchError("give --epochs or --max-steps, not both (--epochs sets the step count)")
     _under_jemalloc()
     from pathlib import Path
 

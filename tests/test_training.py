@@ -239,6 +239,19 @@ def test_cli_train_needs_a_trainable_method():
     assert result.exit_code == 2 and "nothing to train" in result.output
 
 
+def test_cli_train_refuses_epochs_beside_an_explicit_max_steps(tmp_path):
+    """--epochs sets the step count, so an explicit --max-steps beside it would be dropped
+    silently: a one-line error instead, before anything loads or trains."""
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--method", "mtp", "--epochs", "2", "--max-steps", "2",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "not both" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
     """`bench train` on the real ShareGPT file for two steps, keeping the drafter after the
     first trained token (--keep-at 1), then `bench run --drafter` with the kept one."""
@@ -360,6 +373,36 @@ def test_ship_drafter_stores_bf16_and_makes_the_folder_that_drafter(tmp_path):
                                                          "tokenizer.json"]
     assert gzip.decompress((folder / "log.jsonl.gz").read_bytes()) == (source / "log.jsonl").read_bytes()
     assert size == shipped_bytes(root) > 0
+
+
+def test_ship_thins_a_long_training_log_and_says_so(tmp_path):
+    """An at-scale run logs thousands of steps: the shipped log keeps every k-th line, the first
+    and the last among them, at most SHIPPED_LOG_LINES; the manifest records k and the full count."""
+    import gzip
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.core.drafters import MANIFEST, SHIPPED_LOG_LINES, WEIGHTS, ship_drafter, thin_log
+
+    assert thin_log("a\nb\n") == ("a\nb\n", 1, 2)
+    assert thin_log("".join(f"{i}\n" for i in range(10)), max_lines=4) == ("0\n3\n6\n9\n", 3, 10)
+    assert thin_log("".join(f"{i}\n" for i in range(11)), max_lines=4) == ("0\n3\n6\n9\n10\n", 3, 11)
+    source = tmp_path / "trained"
+    source.mkdir()
+    save_file({"w": torch.randn(2, 2)}, str(source / WEIGHTS))
+    (source / MANIFEST).write_text(json.dumps({"method": "eagle3"}))
+    steps = 4632
+    (source / "log.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, steps + 1)))
+    dest = tmp_path / "shipped" / "target" / "eagle3"
+    ship_drafter(source, dest)
+    shipped = [json.loads(line)["step"] for line in gzip.decompress((dest / "log.jsonl.gz").read_bytes()).splitlines()]
+    every = -(-steps // SHIPPED_LOG_LINES)
+    assert shipped[0] == 1 and shipped[-1] == steps and len(shipped) <= SHIPPED_LOG_LINES + 1
+    assert all(b - a == every for a, b in zip(shipped[:-2], shipped[1:-1]))
+    assert json.loads((dest / MANIFEST).read_text())["shipped_logs"] == {
+        "log.jsonl": {"every_kth_line": every, "lines_in_training_folder": steps}}
 
 
 def test_bench_ship_without_a_trained_drafter_is_one_line(tmp_path):

@@ -193,6 +193,10 @@ def record_training_run(folder: Path, command: str, device: str) -> None:
 
 
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
+# A shipped per-step log keeps at most this many step lines, evenly spaced, the first and the last
+# among them (an at-scale run logs thousands: ~0.2 KB each, gzipped); the full log stays in the
+# training folder, and the manifest says how it was thinned.
+SHIPPED_LOG_LINES = 1000
 # What a trainer keeps beside the drafter to resume with the same draft vocabulary; the map
 # itself is a buffer in the weights, so a shipped drafter does without them.
 RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors")
@@ -201,7 +205,8 @@ RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors")
 def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfloat16) -> int:
     """Make `dest` the drafter in `source`: its weights and manifest, its float weights stored
     in `dtype` (bf16 as published checkpoints are; None keeps them), so drafters that compute
-    in bf16 draft exactly as before; its training logs (*.jsonl) gzipped; other side files
+    in bf16 draft exactly as before; its training logs (*.jsonl) gzipped, thinned past
+    SHIPPED_LOG_LINES (thin_log); other side files
     (a tokenizer) as they are; files of the drafter shipped before that this one lacks, and
     the trainer's resume files (RESUME_ONLY), removed. Returns the bytes now in `dest`."""
     import gzip
@@ -222,17 +227,34 @@ def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfl
             continue
         if extra.suffix == ".jsonl":  # a per-step log: provenance, 5-10x smaller compressed
             kept.add(extra.name + ".gz")
-            (dest / (extra.name + ".gz")).write_bytes(gzip.compress(extra.read_bytes(), mtime=0))
+            text, every, lines = thin_log(extra.read_text())
+            if every > 1:
+                manifest.setdefault("shipped_logs", {})[extra.name] = {"every_kth_line": every,
+                                                                      "lines_in_training_folder": lines}
+            (dest / (extra.name + ".gz")).write_bytes(gzip.compress(text.encode(), mtime=0))
         else:
             kept.add(extra.name)
             if not same:
                 (dest / extra.name).write_bytes(extra.read_bytes())
-    if not same or dtype is not None:
+    if not same or dtype is not None or "shipped_logs" in manifest:
         write_drafter(dest, weights, manifest)
     for old in dest.iterdir():  # what the drafter shipped before had and this one has not
         if old.is_file() and old.name not in kept:
             old.unlink()
     return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
+
+
+def thin_log(text: str, max_lines: int = SHIPPED_LOG_LINES) -> tuple[str, int, int]:
+    """(every k-th line of `text`, the first and the last among them; k; how many lines it had):
+    k = 1 and the text as it is when it has at most `max_lines` lines."""
+    lines = text.splitlines(keepends=True)
+    every = max(1, -(-len(lines) // max_lines))
+    if every == 1:
+        return text, 1, len(lines)
+    picked = lines[::every]
+    if (len(lines) - 1) % every:
+        picked.append(lines[-1])
+    return "".join(picked), every, len(lines)
 
 
 def shipped_bytes(root: Path) -> int:
