@@ -152,17 +152,20 @@ SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 --option ancho
 SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50
 SCALE_ARGS_eagle :=
 SCALE_ARGS_mtp := --option variant=sequential
-SCALE_ARGS_mtp-parallel := --option variant=parallel --out $(HOME)/.cache/spec-bench/drafters-parallel-mtp
+SCALE_ARGS_mtp-parallel := --option variant=parallel
 SCALE_ARGS_medusa := --option num_heads=5
 SCALE_ARGS_sps := --max-len 512
 # Where the packages are there already (a lent GPU machine's image, scripts/gpu_scale.py):
 # `make train-at-scale SETUP= BENCH="python3 -m bench.cli"`.
 SETUP ?= $(STAMP)
 BENCH ?= $(BIN)/bench
+# Each run's training folder (its checkpoint, full log and kept copies) is SCALE_OUT/<m>, not
+# bench train's default folder, which runs would load before the shipped drafter.
+SCALE_OUT ?= $(HOME)/.cache/spec-bench/drafters-scale
 train-at-scale: $(SETUP)
 	$(BENCH) features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
-	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) $(TRAIN_ARGS) &&) true
-	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BENCH) ship --method $$m || exit 1; done
+	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) --out $(SCALE_OUT)/$(m) $(TRAIN_ARGS) &&) true
+	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BENCH) ship --method $$m --drafter $(SCALE_OUT)/$$m || exit 1; done
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
 # SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in
@@ -170,7 +173,7 @@ train-at-scale: $(SETUP)
 SCALE_METHODS ?= eagle3 dflash
 SCALE_COMPARE ?= shipped-s10
 scaling-runs: $(STAMP)
-	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m)) $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
+	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m) --out $(SCALE_OUT)/$(m)) $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'
