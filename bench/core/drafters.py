@@ -193,9 +193,9 @@ def record_training_run(folder: Path, command: str, device: str) -> None:
 
 
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
-# A shipped per-step log keeps at most this many step lines, evenly spaced, the first and the last
-# among them (an at-scale run logs thousands: ~0.2 KB each, gzipped); the full log stays in the
-# training folder, and the manifest says how it was thinned.
+# A shipped per-step log keeps about this many step lines (one more when the last is off the grid),
+# evenly spaced, the first and the last among them (an at-scale run logs thousands: ~0.2 KB each,
+# gzipped); the full log stays in the training folder, and the manifest says how it was thinned.
 SHIPPED_LOG_LINES = 1000
 # What a trainer keeps beside the drafter to resume with the same draft vocabulary; the map
 # itself is a buffer in the weights, so a shipped drafter does without them.
