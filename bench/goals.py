@@ -35,12 +35,14 @@ def tau_goal(method: str, task: str) -> float | None:
 
 
 def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (method, task) with two or more training sizes: the least-squares line of τ on
-    log10(tokens), its rise per tenfold data, and, where the method has a goal for the
-    task and the line rises, the tokens at which it would reach the goal. An extrapolation
-    of a log-linear trend, so an estimate of the data needed, not a promise."""
+    """Per (method, task, training run) with two or more training sizes: the least-squares
+    line of τ on log10(tokens), its rise per tenfold data, and, where the method has a goal
+    for the task and the line rises, the tokens at which it would reach the goal. An
+    extrapolation of a log-linear trend, so an estimate of the data needed, not a promise.
+    Runs of other settings are fitted apart (rows without `drafter_run` form one run)."""
     fits = []
-    for (method, task), group in rows.groupby(["method", "task"]):
+    runs = rows["drafter_run"].fillna("") if "drafter_run" in rows else pd.Series("", index=rows.index)
+    for (method, task, run), group in rows.groupby(["method", "task", runs]):
         group = group.dropna(subset=["trained_tokens", "tau"])
         if group["trained_tokens"].nunique() < 2:
             continue
@@ -54,7 +56,7 @@ def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
             needed = float(largest["trained_tokens"])
         elif goal is not None and slope > 0:
             needed = 10 ** ((goal - intercept) / slope)
-        fits.append({"method": method, "task": task, "sizes": int(group["trained_tokens"].nunique()),
+        fits.append({"method": method, "task": task, "run": run, "sizes": int(group["trained_tokens"].nunique()),
                      "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
                      "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
                      "tokens_to_goal": needed})
@@ -89,7 +91,7 @@ def _to_goal(fit: pd.DataFrame | None, method: str, task: str) -> str:
     rows = fit[(fit["method"] == method) & (fit["task"] == task)]
     if rows.empty:
         return "no scaling runs for it"
-    row = rows.iloc[0]
+    row = rows.loc[rows["largest_tokens"].idxmax()]  # the run trained furthest
     if math.isnan(row["tokens_to_goal"]):
         return f"the scaling line does not rise ({row['tau_per_10x']:+.2f} τ per tenfold data)"
     return (f"~{_tokens(row['tokens_to_goal'])} training tokens by the scaling line "

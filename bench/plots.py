@@ -212,21 +212,34 @@ def tau_vs_budget(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "several budgets (tags) gives several points, each labelled with its series.")
 
 
-def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "") -> None:
-    """One line per (method, task), sorted by x: the method's colour, the task's marker."""
+def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "", by_run: bool = False) -> None:
+    """One line per (method, task), sorted by x: the method's colour, the task's marker; with
+    by_run, one per training run too (a method's later runs dashed, their run in the label)."""
     markers = "osD^v<>ph*"
     tasks = sorted(rows["task"].unique())
-    for (method, task), group in rows.groupby(["method", "task"]):
+    runs = rows["drafter_run"].fillna("") if by_run and "drafter_run" in rows else pd.Series("", index=rows.index)
+    for (method, task, run), group in rows.groupby(["method", "task", runs]):
         group = group.sort_values(x)
+        # a method's runs in order of how far they trained: the furthest solid
+        order = rows[rows["method"].eq(method) & runs.ne("")].groupby(runs)["trained_tokens"].max() \
+            if by_run and "trained_tokens" in rows else pd.Series(dtype=float)
+        latest = run == "" or order.empty or run == order.idxmax()
+        label = f"{method} · {task}{suffix}" + (f" · {_run_label(run)}" if by_run and len(order) > 1 else "")
         ax.plot(group[x], group[y], color=_color(method), marker=markers[tasks.index(task) % len(markers)],
-                linewidth=1, markersize=4, label=f"{method} · {task}{suffix}")
+                linewidth=1, markersize=4, linestyle="-" if latest else "--", label=label)
+
+
+def _run_label(run: str) -> str:
+    """A training run, short: its hash, or its folder's last two parts (the older records)."""
+    return run if len(run) <= 8 else "/".join(run.rstrip("/").split("/")[-2:])
 
 
 def _fit_sentence(fit: pd.DataFrame) -> str:
     parts = []
     for row in fit.itertuples():
-        text = (f"{row.method} · {row.task}: τ {row.tau_at_largest:.2f} at {row.largest_tokens / 1e6:.2g}M tokens, "
-                f"{row.tau_per_10x:+.2f} per tenfold data")
+        run = f" (run {_run_label(row.run)})" if getattr(row, "run", "") else ""
+        text = (f"{row.method} · {row.task}{run}: τ {row.tau_at_largest:.2f} at "
+                f"{row.largest_tokens / 1e6:.2g}M tokens, {row.tau_per_10x:+.2f} per tenfold data")
         if math.isnan(row.goal):
             pass
         elif row.tokens_to_goal == row.largest_tokens:
@@ -248,8 +261,9 @@ def tau_vs_training_tokens(per_task: pd.DataFrame, out: Path) -> Figured | Skipp
     fig = _figure(5.5, 3.6)
     with matplotlib.rc_context(RC):
         ax = fig.add_subplot()
-        _method_task_lines(ax, rows, "trained_tokens", "tau")
+        _method_task_lines(ax, rows, "trained_tokens", "tau", by_run=True)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # under two decades the minor labels collide
         ax.set_xlabel("tokens the drafter was trained on (log scale)")
         ax.set_ylabel("τ (tokens per round)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -339,11 +339,14 @@ def summarize_group(method: list[dict], base: list[dict] | None) -> dict:
 
 
 def _drafter_run(series: str, drafter: dict) -> str | None:
-    """The training run a drafter comes from: its folder (whose copies kept at N tokens sit in
-    kept/<N>-tokens/), and the run a scaling series names, since later runs reuse a folder."""
-    folder = re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None
+    """The training run a drafter comes from: the run a scaling series names (a hash of what
+    fixes the run, so a run's kept copies and its final drafter, shipped elsewhere, share it,
+    and a later run into the same folder does not), else its folder (whose copies kept at N
+    tokens sit in kept/<N>-tokens/)."""
     run = scaling_run(series)
-    return f"{folder}@{run}" if folder and run else folder
+    if run:
+        return run
+    return re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None
 
 
 def _base_for(records: Records, run: RunFile) -> RunFile | None:

@@ -96,9 +96,12 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
         run(settings)  # a finished record is read back, not run again
     from bench.report import make_report
 
-    tags = tuple(sorted(set(tag_of.values()))) + tuple(compare)
+    # Every scaling run kept in results_dir, not only this call's, so that the report of one
+    # method's runs keeps the other methods' lines.
+    kept = {tuple(p.stem.split("-scale-", 1)) for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")}
+    tags = tuple(sorted(set(tag_of.values()) | {f"scale-{rest}" for _, rest in kept})) + tuple(compare)
     report = make_report(Path(results_dir), Path(report_dir), tasks=tuple(tasks or TASKS),
-                         methods=("ar", *methods), tags=tags)
+                         methods=("ar", *sorted(set(methods) | {m for m, _ in kept} - {"ar"})), tags=tags)
     click.echo(f"report: {report['html']}")
 
 

@@ -577,7 +577,17 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
                       drafter={"drafter": f"out/kept/{tokens}-tokens", "trained_tokens": tokens})
     per_task = build_tables(load_records(tmp_path)).per_task
     runs = per_task[per_task["trained_tokens"].notna()].groupby("drafter_run")["trained_tokens"].apply(sorted)
-    assert runs.to_dict() == {f"out@{first}": [200_000, 1_000_000], f"out@{later}": [200_000, 1_000_000]}
+    assert runs.to_dict() == {first: [200_000, 1_000_000], later: [200_000, 1_000_000]}
+    # The run's final drafter, shipped into another folder, is a point of the same line.
+    tag = scaling_tag(6_000_000, later)
+    write_run(tmp_path, "mtbench", "ar", tag, [turn(q, n) for q, n in keys])
+    write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
+                                                     proposed=(3, 3, 3), accepted=(3, 3, 3)) for q, n in keys],
+              drafter={"drafter": "methods/checkpoints/x/pld", "trained_tokens": 6_000_000})
+    from bench.goals import scaling_fit, scaling_rows
+
+    fit = scaling_fit(scaling_rows(build_tables(load_records(tmp_path)).per_task)).set_index("run")
+    assert fit.loc[later, "sizes"] == 3 and fit.loc[first, "sizes"] == 2  # a line per run, not one mixed
 
 
 def test_scaling_fit_extrapolates_to_the_goal():
