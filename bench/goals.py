@@ -34,6 +34,11 @@ def tau_goal(method: str, task: str) -> float | None:
     return goals.get(task, goals.get("*"))
 
 
+def training_runs(rows: pd.DataFrame) -> pd.Series:
+    """Each row's training run (`drafter_run`; "" where it has none): the key of a scaling line."""
+    return rows["drafter_run"].fillna("") if "drafter_run" in rows else pd.Series("", index=rows.index)
+
+
 def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
     """Per (method, task, training run) with two or more training sizes: the least-squares
     line of τ on log10(tokens), its rise per tenfold data, and, where the method has a goal
@@ -41,8 +46,7 @@ def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
     extrapolation of a log-linear trend, so an estimate of the data needed, not a promise.
     Runs of other settings are fitted apart (rows without `drafter_run` form one run)."""
     fits = []
-    runs = rows["drafter_run"].fillna("") if "drafter_run" in rows else pd.Series("", index=rows.index)
-    for (method, task, run), group in rows.groupby(["method", "task", runs]):
+    for (method, task, run), group in rows.groupby(["method", "task", training_runs(rows)]):
         group = group.dropna(subset=["trained_tokens", "tau"])
         if group["trained_tokens"].nunique() < 2:
             continue
@@ -68,7 +72,7 @@ def scaling_rows(per_task: pd.DataFrame) -> pd.DataFrame:
     rows = per_task[per_task["method"].ne(BASELINE)] if "trained_tokens" in per_task else per_task.iloc[0:0]
     rows = rows[rows["trained_tokens"].notna()] if not rows.empty else rows
     if not rows.empty:  # one training run's drafters per line: a run with two or more sizes
-        sizes = rows.groupby(["method", rows["drafter_run"].fillna("")])["trained_tokens"].transform("nunique")
+        sizes = rows.groupby(["method", training_runs(rows)])["trained_tokens"].transform("nunique")
         rows = rows[sizes >= 2]
     return rows
 

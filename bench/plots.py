@@ -19,7 +19,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
-from bench.goals import scaling_fit, scaling_rows  # noqa: E402
+from bench.goals import scaling_fit, scaling_rows, training_runs  # noqa: E402
 from bench.tables import BASELINE, Records, Tables  # noqa: E402
 
 # Stable file contents for the same inputs (committed figures should not churn).
@@ -217,14 +217,14 @@ def _method_task_lines(ax, rows: pd.DataFrame, x: str, y: str, suffix: str = "",
     by_run, one per training run too (a method's later runs dashed, their run in the label)."""
     markers = "osD^v<>ph*"
     tasks = sorted(rows["task"].unique())
-    runs = rows["drafter_run"].fillna("") if by_run and "drafter_run" in rows else pd.Series("", index=rows.index)
+    runs = training_runs(rows) if by_run else pd.Series("", index=rows.index)
+    # how far each of a method's runs trained: the furthest drawn solid, the others dashed
+    furthest = rows.groupby(["method", runs])["trained_tokens"].max() if by_run else None
     for (method, task, run), group in rows.groupby(["method", "task", runs]):
         group = group.sort_values(x)
-        # a method's runs in order of how far they trained: the furthest solid
-        order = rows[rows["method"].eq(method) & runs.ne("")].groupby(runs)["trained_tokens"].max() \
-            if by_run and "trained_tokens" in rows else pd.Series(dtype=float)
-        latest = run == "" or order.empty or run == order.idxmax()
-        label = f"{method} · {task}{suffix}" + (f" · {_run_label(run)}" if by_run and len(order) > 1 else "")
+        several = furthest is not None and len(furthest[method]) > 1
+        latest = not several or run == furthest[method].idxmax()
+        label = f"{method} · {task}{suffix}" + (f" · {_run_label(run)}" if several else "")
         ax.plot(group[x], group[y], color=_color(method), marker=markers[tasks.index(task) % len(markers)],
                 linewidth=1, markersize=4, linestyle="-" if latest else "--", label=label)
 
