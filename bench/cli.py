@@ -114,10 +114,13 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 
 
 @main.command()
-@click.option("--method", required=True, help="a method with a trained drafter (e.g. sps)")
+@click.option("--method", default=None, help="a method with a trained drafter (e.g. sps)")
 @click.option("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct; or a folder / hub id")
 @click.option("--out", "out_dir", default=None,
               help="output folder (default: $BENCH_CACHE/drafters/<target>/<method>); resumes if it has a checkpoint")
+@click.option("--status", is_flag=True,
+              help="say where each training run stands (the folder --out, else every one under $BENCH_CACHE/drafters*) "
+                   "and train nothing")
 @click.option("--max-steps", type=click.IntRange(min=1), default=600, show_default=True,
               help="optimizer steps of --batch-size conversations each")
 @click.option("--epochs", type=click.FloatRange(min=0.0, min_open=True), default=None,
@@ -139,11 +142,16 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="trained-token counts (e.g. 2e5,1e6) at which a copy of the drafter is kept in OUT/kept/ "
                    "(for the scaling figure)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
-def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
+def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
           checkpoint_minutes, data_limit, threads, precision, keep_at, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
 
+    if status:
+        _training_status(out_dir)
+        return
+    if method is None:
+        raise BenchError("give --method (a method with a trained drafter: see `bench list`), or --status")
     if epochs is not None and click.get_current_context().get_parameter_source("max_steps") \
             is not click.core.ParameterSource.DEFAULT:
         raise BenchError("give --epochs or --max-steps, not both (--epochs sets the step count)")
@@ -154,6 +162,7 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
     from bench.core.target import default_device, load_target, resolve_dtype
     from bench.core.training import TrainSettings
     from bench.core.training.loop import exclusive_folder
+    from bench.core.training.status import COMMAND
     from bench.registry import get_method
     from bench.run import check_device
 
@@ -181,6 +190,7 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
         options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     with exclusive_folder(settings.out_dir):
+        (settings.out_dir / COMMAND).write_text(_command_line() + "\n")  # what `bench train --status` says resumes it
         summary = importlib.import_module(info.module).train(loaded, settings)
     last = summary.get("last")
     metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
@@ -189,16 +199,36 @@ def train(method, target, out_dir, max_steps, epochs, batch_size, max_len, lr, w
                f"log {summary['log']}")
     manifest = Path(summary["drafter"]) / "drafter.json"
     if manifest.exists() and summary.get("last"):  # this invocation trained: say how, and where
-        import shlex
-
         from bench.core.drafters import record_training_run
 
-        record_training_run(manifest.parent, shlex.join(["bench", *sys.argv[1:]]), settings.device)
+        record_training_run(manifest.parent, _command_line(), settings.device)
     heldout = json.loads(manifest.read_text()).get("heldout", {}) if manifest.exists() else {}
     if "predicted_tau" in heldout:
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
         click.echo(f"held out: top-1 agreement by draft position {agreement}; "
                    f"predicted tau {heldout['predicted_tau']:.2f}")
+
+
+def _command_line() -> str:
+    import shlex
+
+    return shlex.join(["bench", *sys.argv[1:]])
+
+
+def _training_status(out_dir: str | None) -> None:
+    from pathlib import Path
+
+    from bench.core.target import cache_dir
+    from bench.core.training.status import describe, read_status, training_folders
+
+    if out_dir is not None and not Path(out_dir).is_dir():
+        raise BenchError(f"no training folder {out_dir}")
+    roots = [Path(out_dir)] if out_dir else sorted(cache_dir().glob("drafters*"))
+    folders = training_folders(roots)
+    if not folders:
+        click.echo(f"no training run (a folder with a checkpoint) in {out_dir or str(cache_dir()) + '/drafters*'}")
+    for folder in folders:
+        click.echo(describe(read_status(folder)))
 
 
 @main.command()

@@ -520,3 +520,75 @@ def test_a_second_run_into_the_same_folder_stops_with_one_line(tmp_path):
                 pass
     with exclusive_folder(tmp_path / "run"):  # released when the first run ends
         pass
+
+
+def _training_folder(folder: Path, saved_at: str) -> Path:
+    """A training folder as a run leaves it: checkpoint at step 10, log to step 12 at 2 s/step,
+    an export at step 10 with its held-out numbers, one kept copy, the command that started it."""
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "checkpoint" / "state.json").write_text(json.dumps(
+        {"step": 10, "tokens_seen": 1000, "saved_at": saved_at, "settings": {"method": "eagle3"}}))
+    (folder / "drafter.json").write_text(json.dumps(
+        {"method": "eagle3", "heldout": {"top1_by_position": [0.5, 0.4], "predicted_tau": 1.9},
+         "training": {"steps": 10, "max_steps": 100, "epochs": 0.1}}))
+    rows = [{"step": s, "loss": 1.0, "elapsed_s": 2.0 * s, "tokens_seen": 100 * s} for s in range(1, 13)]
+    (folder / "log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "kept" / "200000-tokens").mkdir(parents=True)
+    (folder / "kept" / "200000-tokens" / "drafter.json").write_text("{}")
+    (folder / ".train.command").write_text("bench train --method eagle3 --epochs 2\n")
+    return folder
+
+
+def test_training_status_reads_a_run_from_its_folder(tmp_path):
+    """How far a run is, how fast, what is left, its held-out numbers and kept copies, and
+    whether a live process holds it: from the folder alone, a damaged file costing only its fields."""
+    from datetime import UTC, datetime
+
+    from bench.core.training.loop import LOCK
+    from bench.core.training.status import describe, read_status, training_folders
+
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC).timestamp()
+    run = _training_folder(tmp_path / "scale" / "eagle3", "2026-01-01T11:50:00Z")
+    assert training_folders([tmp_path]) == [run] == training_folders([run])
+
+    status = read_status(run, now=now)
+    assert (status.method, status.step, status.checkpoint_step, status.max_steps) == ("eagle3", 12, 10, 100)
+    assert status.tokens_seen == 1200 and status.epochs == pytest.approx(0.12) and status.kept == [200000]
+    assert status.seconds_per_step == pytest.approx(2.0) and status.hours_left == pytest.approx(88 * 2 / 3600)
+    assert status.checkpoint_age_s == pytest.approx(600) and status.pid is None and not status.finished
+    text = describe(status)
+    assert "stopped; resumes from step 10" in text and "step 12/100 (12%)" in text and "10 min old" in text
+    assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text
+    assert "command: bench train --method eagle3 --epochs 2" in text
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train"])
+    try:
+        (run / LOCK).write_text(str(holder.pid))
+        assert read_status(run, now=now).pid == holder.pid
+        assert f"running (pid {holder.pid})" in describe(read_status(run, now=now))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert read_status(run, now=now).pid is None  # the pid stays in the file; the process is gone
+
+    (run / "checkpoint" / "state.json").write_text("{not json")
+    (run / "drafter.json").write_text('{"training": {"max_steps": "many"}}')
+    damaged = read_status(run, now=now)
+    assert (damaged.step, damaged.checkpoint_step, damaged.max_steps, damaged.checkpoint_age_s) == (12, 0, None, None)
+    assert "step 12/?" in describe(damaged)
+
+
+def test_cli_train_status(tmp_path):
+    from click.testing import CliRunner
+
+    from bench.cli import main
+
+    run = _training_folder(tmp_path / "run", "2026-01-01T11:50:00Z")
+    result = CliRunner().invoke(main, ["train", "--status", "--out", str(run)])
+    assert result.exit_code == 0 and "eagle3 in" in result.output and "held out at step 10" in result.output
+    result = CliRunner().invoke(main, ["train", "--status", "--out", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "no training folder" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["train", "--status"], env={"BENCH_CACHE": str(tmp_path / "empty")})
+    assert result.exit_code == 0 and "no training run" in result.output
+    result = CliRunner().invoke(main, ["train"])
+    assert result.exit_code == 2 and "give --method" in result.output and len(result.output.strip().splitlines()) == 1
