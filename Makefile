@@ -140,9 +140,12 @@ oracle-sweep: $(STAMP)
 # has rank 32). The features of every method's taps are extracted first in one target pass
 # (2,15,27,28,30: 5.1 GB per tap at the 4.37M tokens 5M gives; a cache grows, so a smaller run's
 # cache is the start of this one). EAGLE-3 and DFlash keep copies at 0.2M and 1M trained tokens for
-# the scaling figure. SCALE_TRAIN picks the methods (a session's share on a 2-core CPU: one, e.g.
-# `make train-at-scale SCALE_TRAIN=eagle3 TRAIN_ARGS="--threads 2"`); TRAIN_ARGS adds e.g.
-# `--device cuda` or `--threads 2`. mtp-parallel is MTP's parallel variant, kept apart (not shipped).
+# the scaling figure. Each method is shipped as soon as its training ends, so a queue cut short by
+# a session's end keeps what it finished. SCALE_TRAIN picks the methods and their order: on a 2-core
+# CPU two queues side by side, one thread each, e.g. `make train-at-scale SCALE_TRAIN="eagle3 mtp"
+# TRAIN_ARGS="--threads 1"` beside SCALE_TRAIN="dspark medusa" (`bench train --status`: where each
+# stands); TRAIN_ARGS adds e.g. `--device cuda` or `--threads 2`. mtp-parallel is MTP's parallel
+# variant, kept apart (not shipped).
 SCALE_TOKENS ?= 5000000
 SCALE_DATA ?= --option self_distill=true --option feature_tokens=$(SCALE_TOKENS) --epochs 2
 SCALE_TRAIN ?= eagle3 dflash dspark eagle mtp mtp-parallel medusa sps
@@ -164,8 +167,8 @@ BENCH ?= $(BIN)/bench
 SCALE_OUT ?= $(HOME)/.cache/spec-bench/drafters-scale
 train-at-scale: $(SETUP)
 	$(BENCH) features --extract 2,15,27,28,30 --tokens $(SCALE_TOKENS) --self-distill
-	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) --out $(SCALE_OUT)/$(m) $(TRAIN_ARGS) &&) true
-	for m in $(filter-out mtp-parallel,$(SCALE_TRAIN)); do $(BENCH) ship --method $$m --drafter $(SCALE_OUT)/$$m || exit 1; done
+	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) --out $(SCALE_OUT)/$(m) $(TRAIN_ARGS) && \
+	  $(if $(filter mtp-parallel,$(m)),,$(BENCH) ship --method $(m) --drafter $(SCALE_OUT)/$(m) &&)) true
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
 # SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in
