@@ -382,6 +382,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
                 "trained_tokens": drafter.get("trained_tokens"),
                 "drafter_run": _drafter_run(run.series, drafter),
+                "drafter_weights": drafter.get("weights_sha1"),
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
                 "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns
@@ -397,6 +398,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         # Tokens the run's drafter was trained on (`bench train` records it; NaN for older drafters).
         row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
         row["drafter_run"] = group["drafter_run"]
+        row["drafter_weights"] = group["drafter_weights"]  # the weights' digest, where the method records it
         # The oracle's per-node acceptance where the run replaced the drafts (bench.core.oracle); NaN: real drafts.
         row["oracle_accept"] = float("nan") if group["oracle_accept"] is None else group["oracle_accept"]
         row["batch_size"] = group["batch_size"]  # requests decoding at once (bench run --batch-size)

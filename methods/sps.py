@@ -30,7 +30,15 @@ import torch
 
 from bench.core.decode import DecodeState, Drafter, LoopDecoder
 from bench.core.draft import Draft
-from bench.core.drafters import MANIFEST, WEIGHTS, check_tokenizer, find_drafter, open_drafter, read_weights
+from bench.core.drafters import (
+    MANIFEST,
+    WEIGHTS,
+    check_tokenizer,
+    find_drafter,
+    open_drafter,
+    read_weights,
+    weights_sha1,
+)
 from bench.core.engine import Engine, ForwardOutput
 from bench.core.errors import BenchError
 from bench.core.options import DraftOptions, Dtype, option, parse_options
@@ -92,7 +100,7 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
             state["lm_head.weight"] = engine.lm_head
         info = {"drafter": str(folder), "draft_layers": config.num_hidden_layers,
                 "trained_steps": manifest.get("training", {}).get("steps"),
-                "weights_sha1": _file_sha1(folder / manifest.get("weights", WEIGHTS))}
+                "weights_sha1": weights_sha1(folder)}
     else:
         config = AutoConfig.from_pretrained(folder)
         try:
@@ -109,12 +117,6 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
     if missing:
         raise BenchError(f"drafter {folder} lacks weights ({missing[0]})")
     return Engine(config, state, device=engine.device, dtype=dtype), info
-
-
-def _file_sha1(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha1(path.read_bytes()).hexdigest()[:12]
 
 
 class SpsDrafter(Drafter):

@@ -609,7 +609,7 @@ def test_scaling_fit_extrapolates_to_the_goal():
     assert fit.loc["medusa", "tokens_to_goal"] == 1e6
 
 
-def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path):
+def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monkeypatch):
     """bench.goals on a hand-made per-task table: each goal per task, met or missed with the
     shortfall; a missed τ goal quotes the scaling line's tokens; near ties do not count as
     mismatches; a goal whose method did not run says so."""
@@ -648,6 +648,30 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path):
     (drafter / "drafter.json").write_text("{}")  # trained before held-out agreement was recorded
     unmeasured = goals_table(per_task, fit)
     assert list(unmeasured.loc[unmeasured["task"] == "held out", "status"]) == ["not measured"]
+
+    # A run that recorded its weights' digest: its training folder gone (or holding another drafter
+    # since), the shipped drafter's manifest counts only if it holds those very weights.
+    import hashlib
+
+    from bench.core import drafters
+
+    shipped = tmp_path / "shipped" / "tiny" / "sps"
+    shipped.mkdir(parents=True)
+    (shipped / "model.safetensors").write_bytes(b"the weights the run ran")
+    (shipped / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": [0.43, 0.47]}}))
+    monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path / "shipped"])
+    digest = hashlib.sha1(b"the weights the run ran").hexdigest()[:12]
+    per_task["target"] = "tiny"
+    per_task["drafter_run"] = [str(tmp_path / "gone") if m == "sps" else None for m in per_task["method"]]
+    per_task["drafter_weights"] = [digest if m == "sps" else None for m in per_task["method"]]
+
+    def heldout_goal():
+        table = goals_table(per_task, fit)
+        return table.loc[table["task"] == "held out", ["status", "measured", "note"]].iloc[0].tolist()
+
+    assert heldout_goal() == ["missed", "0.43", "short by 0.17; as recorded by the shipped drafter"]
+    (shipped / "model.safetensors").write_bytes(b"a drafter shipped later")
+    assert heldout_goal()[:2] == ["not measured", "not in its manifest"]
     assert ("dflash τ ≥ eagle3 τ", "mtbench") not in status  # a code-and-math goal
     assert "- eagle3 speedup > 1: met on 1 of 1 tasks" in goals_summary(goals)
     lonely = goals_table(per_task[per_task["method"].isin(["ar", "eagle3"])])

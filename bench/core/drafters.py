@@ -58,6 +58,19 @@ def find_drafter(target_name: str, method: str, path: str | Path | None = None) 
         f"{'' if target_name == 'smollm2-135m' else ' --target ...'}` or pass --drafter PATH")
 
 
+def weights_sha1(folder: Path) -> str | None:
+    """The first 12 hex digits of the SHA-1 of a drafter folder's weights file (what a run
+    records of the drafter it ran), or None where the folder has no readable weights."""
+    import hashlib
+
+    folder = Path(folder)
+    try:
+        name = json.loads((folder / MANIFEST).read_text()).get("weights", WEIGHTS)
+        return hashlib.sha1((folder / name).read_bytes()).hexdigest()[:12]
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def read_manifest(folder: Path) -> dict:
     try:
         return json.loads((Path(folder) / MANIFEST).read_text())
