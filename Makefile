@@ -139,8 +139,8 @@ oracle-sweep: $(STAMP)
 # checks the 100 MB budget: EAGLE-3 projects with the target's lm_head rows, DSpark's Markov head
 # has rank 32). The features of every method's taps are extracted first in one target pass
 # (2,15,27,28,30: 5.1 GB per tap at the 4.37M tokens 5M gives; a cache grows, so a smaller run's
-# cache is the start of this one). EAGLE-3 and DFlash keep copies at 0.2M and 1M trained tokens for
-# the scaling figure. Each method is shipped as soon as its training ends, so a queue cut short by
+# cache is the start of this one). EAGLE-3, DFlash, MTP, Medusa and SpS keep copies at 0.2M and 1M
+# trained tokens for the scaling figure and the goals' fits (`make scaling-runs`). Each method is shipped as soon as its training ends, so a queue cut short by
 # a session's end keeps what it finished. SCALE_TRAIN picks the methods and their order: on a 2-core
 # CPU two queues side by side, one thread each, e.g. `make train-at-scale SCALE_TRAIN="eagle3 mtp"
 # TRAIN_ARGS="--threads 1"` beside SCALE_TRAIN="dspark medusa" (`bench train --status`: where each
@@ -154,10 +154,10 @@ SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --o
 SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6
 SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 --option anchors=64 --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50
 SCALE_ARGS_eagle :=
-SCALE_ARGS_mtp := --option variant=sequential
+SCALE_ARGS_mtp := --option variant=sequential --keep-at 2e5,1e6
 SCALE_ARGS_mtp-parallel := --option variant=parallel
-SCALE_ARGS_medusa := --option num_heads=5
-SCALE_ARGS_sps := --max-len 512
+SCALE_ARGS_medusa := --option num_heads=5 --keep-at 2e5,1e6
+SCALE_ARGS_sps := --max-len 512 --keep-at 2e5,1e6
 # Where the packages are there already (a lent GPU machine's image, scripts/gpu_scale.py):
 # `make train-at-scale SETUP= BENCH="python3 -m bench.cli"`.
 SETUP ?= $(STAMP)
@@ -171,12 +171,15 @@ train-at-scale: $(SETUP)
 	  $(if $(filter mtp-parallel,$(m)),,$(BENCH) ship --method $(m) --drafter $(SCALE_OUT)/$(m) &&)) true
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
-# SCALE_METHODS on MT-bench and HumanEval, each under the tag scale-<tokens>-<run>, and their report in
+# SCALE_METHODS on SCALE_TASKS (default MT-bench and HumanEval; the goals' fits need the goal's task,
+# e.g. SCALE_TASKS="gsm8k" for DFlash's), each under the tag scale-<tokens>-<run>, and their report in
 # plots/scaling/ beside the series SCALE_COMPARE (the drafters shipped before, run the same way).
 SCALE_METHODS ?= eagle3 dflash
+SCALE_TASKS ?=
 SCALE_COMPARE ?= shipped-s10
 scaling-runs: $(STAMP)
-	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m) --out $(SCALE_OUT)/$(m)) $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
+	$(BIN)/python -m scripts.scaling_runs $(foreach m,$(SCALE_METHODS),--method $(m) --out $(SCALE_OUT)/$(m)) \
+	  $(foreach t,$(SCALE_TASKS),--task $(t)) $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
 
 # On a CUDA machine: Triton verification kernels vs the torch reference, and timings;
 # then the decode loop on CUDA with random-weight targets of published shapes, and the drafters'

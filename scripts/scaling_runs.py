@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from bench.core.errors import BenchError
 
-TASKS = {"mtbench": {"per_category": 1}, "humaneval": {"limit": 10}}  # the grid's sample of each
+TASKS = ("mtbench", "humaneval")  # the figure's; each run on the grid's sample of its task
 # What a drafter manifest's training section holds that is fixed for a whole run (not the steps so far).
 RUN_FIELDS = ("max_steps", "batch_size", "lr", "warmup_steps", "seed", "settings", "features", "feature_tokens")
 
@@ -86,21 +86,24 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
             for tokens, drafter in drafters:
                 plan.append((method, task, tokens, drafter))
     from bench.core.drafters import read_manifest
+    from bench.grid import DEFAULT_PLAN
     from bench.records import scaling_tag
 
     tag_of = {drafter: scaling_tag(tokens, training_run(read_manifest(drafter))) for _, _, tokens, drafter in plan}
     for method, task, _, drafter in tqdm(plan, desc="scaling runs"):
         settings = RunSettings(method=method, task=task, max_new_tokens=max_new_tokens, tag=tag_of[drafter],
                                results_dir=results_dir, method_options={"drafter": str(drafter.resolve())},
-                               **TASKS.get(task, {"limit": 10}))
+                               **DEFAULT_PLAN.get(task, {"limit": 10}))
         run(settings)  # a finished record is read back, not run again
     from bench.report import make_report
 
     # Every scaling run kept in results_dir, not only this call's, so that the report of one
     # method's runs keeps the other methods' lines.
-    kept = {tuple(p.stem.split("-scale-", 1)) for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")}
+    files = list(Path(results_dir).glob("*/*/*-scale-*.jsonl"))
+    kept = {tuple(p.stem.split("-scale-", 1)) for p in files}
     tags = tuple(sorted(set(tag_of.values()) | {f"scale-{rest}" for _, rest in kept})) + tuple(compare)
-    report = make_report(Path(results_dir), Path(report_dir), tasks=tuple(tasks or TASKS),
+    report = make_report(Path(results_dir), Path(report_dir),
+                         tasks=tuple(sorted(set(tasks or TASKS) | {p.parent.name for p in files})),
                          methods=("ar", *sorted(set(methods) | {m for m, _ in kept} - {"ar"})), tags=tags)
     click.echo(f"report: {report['html']}")
 
