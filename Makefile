@@ -140,8 +140,9 @@ oracle-sweep: $(STAMP)
 # has rank 32). The features of every method's taps are extracted first in one target pass
 # (2,15,27,28,30: 5.1 GB per tap at the 4.37M tokens 5M gives; a cache grows, so a smaller run's
 # cache is the start of this one). EAGLE-3, DFlash, MTP, Medusa and SpS keep copies at 0.2M and 1M
-# trained tokens for the scaling figure and the goals' fits (`make scaling-runs`). Each method is shipped as soon as its training ends, so a queue cut short by
-# a session's end keeps what it finished. SCALE_TRAIN picks the methods and their order: on a 2-core
+# trained tokens for the scaling figure and the goals' fits (`make scaling-runs`). Each method is
+# shipped as soon as its training ends, so a queue cut short by a session's end keeps what it
+# finished. SCALE_TRAIN picks the methods and their order: on a 2-core
 # CPU two queues side by side, one thread each, e.g. `make train-at-scale SCALE_TRAIN="eagle3 mtp"
 # TRAIN_ARGS="--threads 1"` beside SCALE_TRAIN="dspark medusa" (`bench train --status`: where each
 # stands); TRAIN_ARGS adds e.g. `--device cuda` or `--threads 2`. mtp-parallel is MTP's parallel

@@ -576,6 +576,9 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     damaged = read_status(run, now=now)
     assert (damaged.step, damaged.checkpoint_step, damaged.max_steps, damaged.checkpoint_age_s) == (12, 0, None, None)
     assert "step 12/?" in describe(damaged)
+    (run / "drafter.json").write_text("[1, 2]")
+    (run / "checkpoint" / "state.json").write_text('{"settings": "eagle3", "step": "ten"}')
+    assert "? in" in describe(read_status(run, now=now))
 
 
 def test_cli_train_status(tmp_path):

@@ -69,20 +69,21 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
     """One training folder's status; a damaged file leaves its fields unknown, never fails."""
     folder = Path(folder)
     now = time.time() if now is None else now
-    state = _json(folder / CHECKPOINT / STATE) or {}
-    manifest = _json(folder / "drafter.json") or {}
-    training = manifest.get("training", {})
+    state = _json(folder / CHECKPOINT / STATE)
+    manifest = _json(folder / "drafter.json")
+    training = manifest.get("training") if isinstance(manifest.get("training"), dict) else {}
     max_steps = training.get("max_steps") if _count(training.get("max_steps")) else None
     checkpoint_step = _count(state.get("step"))
     rows = _log_tail(folder / LOG)
     step = max(checkpoint_step, rows[-1]["step"] if rows else 0)
     tokens_seen = max(_count(state.get("tokens_seen")), _count(rows[-1].get("tokens_seen")) if rows else 0)
-    epochs = training.get("epochs")
-    if epochs is not None and training.get("steps"):  # the export's count, carried to the checkpoint's step
+    epochs = training.get("epochs") if isinstance(training.get("epochs"), float | int) else None
+    if epochs is not None and _count(training.get("steps")):  # the export's count, carried to the last step
         epochs = epochs * step / training["steps"]
-    heldout = manifest.get("heldout", {})
+    heldout = manifest.get("heldout") if isinstance(manifest.get("heldout"), dict) else {}
+    settings = state.get("settings") if isinstance(state.get("settings"), dict) else {}
     return RunStatus(
-        folder=folder, method=state.get("settings", {}).get("method") or manifest.get("method", "?"),
+        folder=folder, method=str(settings.get("method") or manifest.get("method") or "?"),
         step=step, checkpoint_step=checkpoint_step, max_steps=max_steps, tokens_seen=tokens_seen, epochs=epochs,
         checkpoint_age_s=_age(state.get("saved_at"), now), seconds_per_step=_seconds_per_step(rows),
         pid=_live_writer(folder / LOCK), command=_text(folder / COMMAND),
@@ -125,11 +126,12 @@ def describe(run: RunStatus) -> str:
     return "\n".join(lines)
 
 
-def _json(path: Path) -> dict | None:
+def _json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _count(value) -> int:
