@@ -449,6 +449,35 @@ def tuning_curves(tunings: list[dict], out: Path) -> Figured | Skipped:
                  "`--budget auto` runs (results/<target>/tune/).")
 
 
+def training_curves(logs: list[dict], out: Path) -> Figured | Skipped:
+    """Each shipped drafter's training agreement at draft position 0 against tokens seen, from
+    the log it ships, with the held-out agreement its manifest records at the end."""
+    name, title = "training", "Training curves of the shipped drafters"
+    logs = [log for log in logs if len(log["tokens"]) > 1]
+    if not logs:
+        return Skipped(name, title, "no shipped drafter of the selected targets ships a training log")
+    fig = _figure(7.0, 3.6)
+    with matplotlib.rc_context(RC):
+        ax = fig.add_subplot(1, 1, 1)
+        for log in sorted(logs, key=lambda g: (_order([g["method"]]), g["target"])):
+            label = log["method"] + (f" ({log['target']})" if len({g["target"] for g in logs}) > 1 else "")
+            window = max(1, len(log["tokens"]) // 20)  # a moving mean over 5% of the logged steps
+            smooth = pd.Series(log["agreement"]).rolling(window, min_periods=1).mean()
+            ax.plot(log["tokens"], smooth, color=_color(log["method"]), linewidth=1.2, label=label)
+            if log["heldout"] is not None:
+                ax.plot([log["tokens"][-1]], [log["heldout"]], "*", markersize=9, color=_color(log["method"]))
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens the drafter has trained on (log scale)")
+        ax.set_ylabel("top-1 agreement with the target, draft position 0")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7, ncol=2)
+    return _save(fig, out, name, title, "Training top-1 agreement at the first draft position (`acc0`, else `acc`, "
+                 "as each trainer logs it; a moving mean over 5% of the logged steps) against tokens seen, from "
+                 "each shipped drafter's training log (thinned to about 1,000 steps when shipped); a star: the "
+                 "held-out agreement its manifest records at the end. Trainers differ in what they average over "
+                 "(teacher-forced features, blocks, heads), so compare a drafter's curve with its own star first.")
+
+
 def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
     name, title = "gpu_util", "GPU utilization over time"
     series: dict[str, list[tuple[float, float]]] = {}
@@ -478,10 +507,11 @@ def gpu_utilization(records: Records, out: Path) -> Figured | Skipped:
     return _save(fig, out, name, title, "pynvml samples every 0.2 s while each turn decodes.")
 
 
-def make_figures(records: Records, tables: Tables, out: Path,
-                 load: pd.DataFrame | None = None) -> list[Figured | Skipped]:
+def make_figures(records: Records, tables: Tables, out: Path, load: pd.DataFrame | None = None,
+                 training_logs: list[dict] | None = None) -> list[Figured | Skipped]:
     """Every figure from the selection's tables; `load`: a load sweep's per-task rows, drawn
-    in the load figure instead of the selection's."""
+    in the load figure instead of the selection's; `training_logs`: the shipped drafters'
+    (bench.report.shipped_training_logs)."""
     out = Path(out) / "figures"
     per_task, overall = tables.per_task, tables.overall
     if per_task.empty:
@@ -498,4 +528,4 @@ def make_figures(records: Records, tables: Tables, out: Path,
                    tau_vs_training_tokens(per_task, out), speedup_at_tau(per_task, out),
                    load_sweep(per_task if load is None else load, out)]
     return figures + [hardware_profile(records.profiles, out), tuning_curves(records.tunings, out),
-                      gpu_utilization(records, out)]
+                      training_curves(training_logs or [], out), gpu_utilization(records, out)]

@@ -16,6 +16,7 @@ from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
+from bench.records import Problem
 from bench.revisions import display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
@@ -187,6 +188,47 @@ def drafters_table() -> str:
                                               "`make train-at-scale` trains and ships the set at scale.")
 
 
+def shipped_training_logs(targets: set[str], problems: list[Problem]) -> list[dict]:
+    """The training log each shipped drafter of `targets` ships: per logged step the tokens
+    seen and the agreement at draft position 0 (`acc0` where the trainer logs positions,
+    else `acc`), and the held-out agreement its manifest records (None where it has none).
+    An unreadable log or line is added to `problems`, not drawn."""
+    import gzip
+    import json
+    import zlib
+
+    import methods  # noqa: F401  (registers the shipped drafters)
+    from bench.core.drafters import list_drafters, read_manifest
+
+    logs = []
+    for target, method, kind, folder in list_drafters():
+        path = folder / "log.jsonl.gz"
+        if kind != "shipped" or target not in targets or not path.is_file():
+            continue
+        try:
+            lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+            heldout = (read_manifest(folder).get("heldout") or {}).get("top1_by_position") or [None]
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error, BenchError) as exc:
+            problems.append(Problem("unreadable training log", str(path), str(exc).splitlines()[0]))
+            continue
+        tokens, agreement, bad = [], [], 0
+        for line in filter(str.strip, lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            value = row.get("acc0", row.get("acc")) if isinstance(row, dict) else None
+            if isinstance(row, dict) and isinstance(row.get("tokens_seen"), int) and isinstance(value, float | int):
+                tokens.append(row["tokens_seen"])
+                agreement.append(float(value))
+        if bad:
+            problems.append(Problem("damaged training log", str(path), f"{bad} unreadable line(s) left out"))
+        logs.append({"target": target, "method": method, "tokens": tokens, "agreement": agreement,
+                     "heldout": heldout[0]})
+    return logs
+
+
 def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tasks: tuple[str, ...] = (),
                 methods: tuple[str, ...] = (), tags: tuple[str, ...] = (), readme: Path | None = None,
                 results_readme: Path | None = None, load_tags: tuple[str, ...] = (),
@@ -229,7 +271,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         if not earlier.empty:
             written.append(stage / "tables" / "revisions.csv")
             csv_table(earlier).to_csv(written[-1], index=False)
-        figures = make_figures(records, tables, stage, load)
+        figures = make_figures(records, tables, stage, load,
+                               shipped_training_logs({run.target for run in records.runs}, records.problems))
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
         goals = goals_of(tables, Path(results_dir), tuned, records.profiles)
         if goals is not None and not goals.empty:

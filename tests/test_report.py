@@ -843,3 +843,46 @@ def test_grid_options_reach_every_cell_and_are_checked_first(tmp_path, tiny_task
         run_grid({str(tiny_task): {}}, ["pld", "lookahead"], "opt2", str(results), 8, echo=lambda line: None,
                  method_options={"max_ngram": 2})
     assert fake_bench == ["opt"]
+
+
+def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypatch):
+    """The report's training figure: each shipped drafter's log (gzipped, as `bench ship` leaves
+    it) gives tokens seen against position-0 agreement (acc0 before acc), its manifest the held-out
+    star; a damaged log is a reported problem, not a crash; other targets' drafters stay out."""
+    import gzip
+
+    import methods  # noqa: F401  (its shipped root registered before the test's replaces it)
+    from bench.core import drafters
+    from bench.plots import Figured, Skipped, training_curves
+    from bench.records import Problem
+    from bench.report import shipped_training_logs
+
+    def shipped(target, method, lines, heldout=None):
+        folder = tmp_path / "shipped" / target / method
+        folder.mkdir(parents=True)
+        (folder / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": heldout}} if heldout else {}))
+        (folder / "log.jsonl.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+        return folder
+
+    rows = [json.dumps({"step": s, "acc": 0.1, "acc0": 0.1 * s, "tokens_seen": 100 * s}) for s in range(1, 6)]
+    shipped("tiny", "dflash", rows + ["{not json"], heldout=[0.4, 0.2])
+    shipped("tiny", "medusa", [json.dumps({"step": 1, "acc": 0.3, "tokens_seen": 50}),
+                               json.dumps({"step": 2, "acc": 0.5, "tokens_seen": 100})])
+    shipped("other", "eagle", rows)
+    broken = shipped("tiny", "sps", [])
+    (broken / "log.jsonl.gz").write_bytes(b"not gzip")
+    monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path / "shipped"])
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+
+    problems: list[Problem] = []
+    logs = {log["method"]: log for log in shipped_training_logs({"tiny"}, problems)}
+    assert set(logs) == {"dflash", "medusa"}
+    assert logs["dflash"]["tokens"] == [100, 200, 300, 400, 500] and logs["dflash"]["heldout"] == 0.4
+    assert logs["dflash"]["agreement"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert logs["medusa"]["agreement"] == [0.3, 0.5] and logs["medusa"]["heldout"] is None
+    assert sorted(p.kind for p in problems) == ["damaged training log", "unreadable training log"]
+    assert "1 unreadable line" in next(p.detail for p in problems if p.kind == "damaged training log")
+
+    figure = training_curves(list(logs.values()), tmp_path / "figures")
+    assert isinstance(figure, Figured) and figure.png.stat().st_size > 0
+    assert isinstance(training_curves([], tmp_path / "figures"), Skipped)
