@@ -202,7 +202,9 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         from bench.core.drafters import record_training_run
 
         record_training_run(manifest.parent, _command_line(), settings.device)
-    heldout = json.loads(manifest.read_text()).get("heldout", {}) if manifest.exists() else {}
+    from bench.core.drafters import heldout_of
+
+    heldout = heldout_of(json.loads(manifest.read_text())) if manifest.exists() else {}
     if "predicted_tau" in heldout:
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
         click.echo(f"held out: top-1 agreement by draft position {agreement}; "

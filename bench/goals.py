@@ -109,7 +109,7 @@ def _heldout_top1(row: pd.Series) -> tuple[float, str] | None:
     gone with its machine, or hold a later drafter), else the shipped drafter if it is the same."""
     from pathlib import Path
 
-    from bench.core.drafters import read_manifest, shipped_dirs, weights_sha1
+    from bench.core.drafters import heldout_of, read_manifest, shipped_dirs, weights_sha1
     from bench.core.errors import BenchError
 
     weights = row.get("drafter_weights")
@@ -119,7 +119,7 @@ def _heldout_top1(row: pd.Series) -> tuple[float, str] | None:
         if weights and weights_sha1(folder) != weights:
             continue
         try:
-            agreement = (read_manifest(folder).get("heldout") or {}).get("top1_by_position") or []
+            agreement = heldout_of(read_manifest(folder)).get("top1_by_position") or []
         except BenchError:  # the drafter folder gone or unreadable since the run: not measured
             continue
         if agreement:

@@ -198,7 +198,7 @@ def shipped_training_logs(targets: set[str], problems: list[Problem]) -> list[di
     import zlib
 
     import methods  # noqa: F401  (registers the shipped drafters)
-    from bench.core.drafters import list_drafters, read_manifest
+    from bench.core.drafters import heldout_of, list_drafters, read_manifest
 
     logs = []
     for target, method, kind, folder in list_drafters():
@@ -207,7 +207,7 @@ def shipped_training_logs(targets: set[str], problems: list[Problem]) -> list[di
             continue
         try:
             lines = gzip.decompress(path.read_bytes()).decode().splitlines()
-            heldout = (read_manifest(folder).get("heldout") or {}).get("top1_by_position") or [None]
+            heldout = heldout_of(read_manifest(folder)).get("top1_by_position") or [None]
         except (OSError, EOFError, UnicodeDecodeError, zlib.error, BenchError) as exc:
             problems.append(Problem("unreadable training log", str(path), str(exc).splitlines()[0]))
             continue

@@ -857,10 +857,11 @@ def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypat
     from bench.records import Problem
     from bench.report import shipped_training_logs
 
-    def shipped(target, method, lines, heldout=None):
+    def shipped(target, method, lines, heldout=None, manifest=None):
         folder = tmp_path / "shipped" / target / method
         folder.mkdir(parents=True)
-        (folder / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": heldout}} if heldout else {}))
+        manifest = manifest or ({"heldout": {"top1_by_position": heldout}} if heldout else {})
+        (folder / "drafter.json").write_text(json.dumps(manifest))
         (folder / "log.jsonl.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
         return folder
 
@@ -869,6 +870,7 @@ def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypat
     shipped("tiny", "medusa", [json.dumps({"step": 1, "acc": 0.3, "tokens_seen": 50}),
                                json.dumps({"step": 2, "acc": 0.5, "tokens_seen": 100})])
     shipped("other", "eagle", rows)
+    shipped("tiny", "mtp", rows[:2], manifest={"training": {"heldout": {"top1_by_position": [0.35]}}})  # MTP's place
     broken = shipped("tiny", "sps", [])
     (broken / "log.jsonl.gz").write_bytes(b"not gzip")
     monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path / "shipped"])
@@ -876,7 +878,7 @@ def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypat
 
     problems: list[Problem] = []
     logs = {log["method"]: log for log in shipped_training_logs({"tiny"}, problems)}
-    assert set(logs) == {"dflash", "medusa"}
+    assert set(logs) == {"dflash", "medusa", "mtp"} and logs["mtp"]["heldout"] == 0.35
     assert logs["dflash"]["tokens"] == [100, 200, 300, 400, 500] and logs["dflash"]["heldout"] == 0.4
     assert logs["dflash"]["agreement"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
     assert logs["medusa"]["agreement"] == [0.3, 0.5] and logs["medusa"]["heldout"] is None

@@ -71,6 +71,16 @@ def weights_sha1(folder: Path) -> str | None:
         return None
 
 
+def heldout_of(manifest: dict) -> dict:
+    """A trained drafter's held-out numbers (`top1_by_position`, `predicted_tau`, ...): at the
+    manifest's top level, or in its training section (where MTP's trainer writes them)."""
+    for place in (manifest, manifest.get("training")):
+        heldout = place.get("heldout") if isinstance(place, dict) else None
+        if isinstance(heldout, dict) and heldout:
+            return heldout
+    return {}
+
+
 def read_manifest(folder: Path) -> dict:
     try:
         return json.loads((Path(folder) / MANIFEST).read_text())

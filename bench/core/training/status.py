@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from bench.core.drafters import heldout_of
 from bench.core.training.loop import CHECKPOINT, LOCK, LOG
 
 STATE = "state.json"
@@ -80,7 +81,7 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
     epochs = training.get("epochs") if isinstance(training.get("epochs"), float | int) else None
     if epochs is not None and _count(training.get("steps")):  # the export's count, carried to the last step
         epochs = epochs * step / training["steps"]
-    heldout = manifest.get("heldout") if isinstance(manifest.get("heldout"), dict) else {}
+    heldout = heldout_of(manifest)
     settings = state.get("settings") if isinstance(state.get("settings"), dict) else {}
     return RunStatus(
         folder=folder, method=str(settings.get("method") or manifest.get("method") or "?"),
