@@ -133,6 +133,9 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cpu | cuda (default: cuda when available)")
 @click.option("--checkpoint-minutes", type=click.FloatRange(min=0.0), default=5.0, show_default=True)
+@click.option("--export-minutes", type=click.FloatRange(min=0.0), default=None,
+              help="export the drafter with its held-out evaluation at most this often (default: every 6 "
+                   "checkpoints; the end and each --keep-at always export)")
 @click.option("--data-limit", type=click.IntRange(min=1), default=None, help="use only N conversations")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (1 is much faster when other jobs share the cores)")
@@ -143,7 +146,7 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
                    "(for the scaling figure)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
-          checkpoint_minutes, data_limit, threads, precision, keep_at, options) -> None:
+          checkpoint_minutes, export_minutes, data_limit, threads, precision, keep_at, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
 
@@ -186,7 +189,8 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     settings = TrainSettings(
         out_dir=Path(out_dir) if out_dir else user_dir(loaded.name, method), max_steps=max_steps,
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
-        device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes, data_limit=data_limit,
+        device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes,
+        export_every_s=None if export_minutes is None else 60 * export_minutes, data_limit=data_limit,
         options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     with exclusive_folder(settings.out_dir):

@@ -595,3 +595,14 @@ def test_cli_train_status(tmp_path):
     assert result.exit_code == 0 and "no training run" in result.output
     result = CliRunner().invoke(main, ["train"])
     assert result.exit_code == 2 and "give --method" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_export_interval_is_a_setting_a_resume_may_change(tmp_path):
+    """--export-minutes reaches the loop; the interval is not part of the run's identity, so a run
+    resumed with another one goes on (the held-out evaluation of an export costs minutes)."""
+    from bench.core.training.loop import RESUMABLE_CHANGES
+
+    settings = TrainSettings(out_dir=tmp_path, export_every_s=7200.0)
+    assert settings.loop_config().export_every_s == 7200.0
+    assert TrainSettings(out_dir=tmp_path).loop_config().export_every_s is None  # the loop's default
+    assert settings.loop_config(grad_clip=0.5).grad_clip == 0.5 and "export_every_s" in RESUMABLE_CHANGES

