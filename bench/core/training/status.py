@@ -21,7 +21,7 @@ from bench.core.training.loop import CHECKPOINT, LOCK, LOG
 STATE = "state.json"
 COMMAND = ".train.command"  # the command line of the run's latest start (`bench train` writes it)
 SHOWN_POSITIONS = 8  # held-out agreement shown for the first draft positions
-RATE_WINDOW = 50  # log rows the recent seconds per step are taken over
+RATE_WINDOW = 200  # log rows the recent seconds per step are taken over (exports included)
 LOG_TAIL_BYTES = 256 * 1024  # enough for RATE_WINDOW rows of the widest log (EAGLE-3's, ~600 bytes a row)
 
 
