@@ -561,8 +561,10 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text
     assert "command: bench train --method eagle3 --epochs 2" in text
 
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train"])
+    holder = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", "train"],
+                              stdout=subprocess.PIPE)
     try:
+        holder.stdout.readline()  # until it has exec'd, /proc shows the forking pytest's command line
         (run / LOCK).write_text(str(holder.pid))
         assert read_status(run, now=now).pid == holder.pid
         assert f"running (pid {holder.pid})" in describe(read_status(run, now=now))
