@@ -164,6 +164,66 @@ def test_dspark_q_is_the_distribution_each_draft_was_drawn_from(default_target):
     assert torch.allclose(draft.q[1, model.draft_to_target], row.softmax(-1), atol=1e-5)
 
 
+class HeldOutFeatures:
+    """Six fixed held-out conversations (two batches of four spans and two), as FeatureBatches
+    gives them to heldout_slot_accuracy."""
+
+    def __init__(self, taps, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.heldout_spans = [(0, 12)] * 6
+        self.features = {f"h{t}": torch.randn(6, 12, 576, generator=generator) for t in taps}
+        self.tokens = torch.randint(0, 2048, (6, 12), generator=generator)
+
+    def batch(self, spans):
+        rows = slice(0, len(spans)) if len(spans) == 4 else slice(4, 6)
+        mask = torch.zeros(len(spans), 12, dtype=torch.bool)
+        mask[:, 4:11] = True
+        return {"tokens": self.tokens[rows], "mask": mask, "lengths": torch.full((len(spans),), 12),
+                **{k: v[rows] for k, v in self.features.items()}}
+
+
+def test_heldout_teacher_tokens_are_kept_and_used_only_for_the_same_rows(default_target, tmp_path, one_thread,
+                                                                        monkeypatch):
+    """An export reuses the target's greedy tokens of the held-out positions from the training
+    folder (the same anchors every time); other teacher rows or another lm_head compute them again."""
+    import types
+
+    import methods.dflash.training as training
+    from methods.dflash.training import HELDOUT_TEACHER, heldout_slot_accuracy, read_teacher_cache
+
+    teacher_passes = []
+
+    def linear(*args):
+        teacher_passes.append(1)
+        return F.linear(*args)
+
+    monkeypatch.setattr(training, "F", types.SimpleNamespace(linear=linear))  # the module's own lm_head passes
+    model = random_model(default_target, block=4, markov=8, draft_vocab=None, anchor=True)
+    lm_head = default_target.engine.lm_head.float()[model.draft_to_target]
+    objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, 30,
+                               BlockTrainSettings(block_size=4, anchors=3))
+    data = HeldOutFeatures(set(model.config.taps) | {30})
+
+    def passes(*args) -> tuple[dict, int]:
+        teacher_passes.clear()
+        return heldout_slot_accuracy(objective, *args), len(teacher_passes)
+
+    plain = heldout_slot_accuracy(objective, data)
+    cache = {}
+    assert passes(data, cache) == (plain, 2) and sorted(k for k in cache if k != "lm_head") == [0, 4]
+    torch.save(cache, tmp_path / HELDOUT_TEACHER)
+    kept = read_teacher_cache(tmp_path / HELDOUT_TEACHER)
+    assert passes(data, kept) == (plain, 0)  # both batches read from the folder's file
+    other = HeldOutFeatures(set(model.config.taps) | {30}, seed=1)
+    assert passes(other, kept) == (heldout_slot_accuracy(objective, other), 2)  # other rows: computed
+    objective.lm_head = lm_head.flip(0)  # another head: everything computed again
+    assert passes(data, kept) == (heldout_slot_accuracy(objective, data), 2)
+    (tmp_path / HELDOUT_TEACHER).write_bytes(b"damaged")
+    assert read_teacher_cache(tmp_path / HELDOUT_TEACHER) == {}
+    torch.save({"lm_head": 1, 0: "no tensor", 4: kept[4]}, tmp_path / HELDOUT_TEACHER)
+    assert sorted(read_teacher_cache(tmp_path / HELDOUT_TEACHER), key=str) == [4, "lm_head"]
+
+
 @pytest.fixture
 def tiny_training(default_target, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
@@ -188,6 +248,7 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     second = train_block(default_target, tiny_training(3, method), method, defaults)
     assert second["resumed_from"] == 2 and second["steps"] == 3
     folder = tiny_training(3, method).out_dir
+    assert (folder / ".heldout_teacher.pt").is_file()  # kept for the next export, in the folder only
     manifest = json.loads((folder / "drafter.json").read_text())
     assert manifest["target"]["fingerprint"] == default_target.fingerprint
     # a block of 4 slots: 3 drafts under z-lab's convention (dflash), 4 with sample_from_anchor (dspark)
