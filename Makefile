@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports refresh frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -58,10 +58,28 @@ all-results: $(STAMP)
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --temperature 1   # the sampled series, tag $(GRID_TAG)-t1
 	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(MAKE) load-sweep
+	$(MAKE) grid-reports
+	$(MAKE) frspec
+
+# The grid's report, README.md's headline tables and results/README.md's grid table from the kept records.
+grid-reports: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
 	  --tuned-tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
-	$(MAKE) frspec
+
+# After drafters are retrained and shipped (`make train-at-scale` ships each as it ends): the grid's cells of
+# METHODS again (a new revision of the tag where the drafter changed; unchanged cells are skipped), their tuned
+# budgets and the grid at them, their sampled cells; then the reports. Each step resumes where it stopped.
+# A retrained EAGLE-1 drafter is EAGLE-2's too, DFlash's DDTree's: name both.
+METHODS ?=
+refresh: $(STAMP)
+	$(if $(METHODS),,$(error give METHODS, e.g. make refresh METHODS="eagle3"))
+	$(BIN)/python -m bench.grid $(foreach m,$(METHODS),--method $(m))
+	$(BIN)/bench tune $(foreach m,$(METHODS),--method $(m))
+	$(BIN)/python -m bench.grid --budget auto $(foreach m,$(METHODS),--method $(m))
+	$(BIN)/python -m bench.grid --temperature 1 $(foreach m,$(METHODS),--method $(m))
+	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
+	$(MAKE) grid-reports
 
 # FR-Spec for EAGLE-1/2 (methods/eagle/fr_spec.py): the grid's suites at their defaults and at budget 1,
 # beside the same methods without it (results/README.md's `frspec` block).
