@@ -322,6 +322,17 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
                tmp_path, progress=False, on_checkpoint=exported.append)
     assert exported == [8, 9, 10]
 
+    def stopped(step):
+        raise KeyboardInterrupt  # the session ends during the last export
+
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=11, checkpoint_every_s=1e9), tmp_path,
+                   progress=False, on_checkpoint=stopped)
+    summary = loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=11, checkpoint_every_s=1e9), tmp_path,
+                         progress=False, on_checkpoint=exported.append)
+    assert exported == [8, 9, 10, 11] and summary["resumed_from"] == 10  # the last step again, then its export
+    assert [row["step"] for row in loop.read_log(tmp_path)][-2:] == [10, 11]
+
 
 def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     """`bench train --epochs E`: max_steps = E passes over the trainer's own data."""

@@ -224,8 +224,9 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
 
     next_batch(cursor) -> (batch, next cursor). `identity`: what must be equal to resume
     (model shape, data settings, ...); a checkpoint made with other settings is refused.
-    on_checkpoint(step) runs after a checkpoint (e.g. to export the drafter): at the end, after a
-    step-count checkpoint, and after a timed one once export_every_s have passed since the last export.
+    on_checkpoint(step) runs after a checkpoint (e.g. to export the drafter): after a step-count
+    checkpoint, after a timed one once export_every_s have passed since the last export, and at
+    the end just before the last checkpoint (so a run stopped during that export exports again).
     An objective whose metrics carry "tokens" (trained positions in the batch) gets a running
     `tokens_seen` in the log and the checkpoint; on_milestone(tokens, step) runs once when
     tokens_seen first reaches each of `milestones` (e.g. to keep a drafter for the scaling
@@ -306,12 +307,16 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
             for milestone in reached if on_milestone is not None else ():
                 on_milestone(milestone, step)  # before the checkpoint: a crash in between redoes it
                 last_export = time.monotonic()  # the milestone exported the drafter
-            if due_time or due_step or reached or step == cfg.max_steps:
+            final = step == cfg.max_steps
+            if final and on_checkpoint is not None:
+                on_checkpoint(step)  # before the last checkpoint, as a milestone: a run stopped in between redoes
+                last_export = time.monotonic()  # its last steps and exports again (after it, nothing would)
+            if due_time or due_step or reached or final:
                 save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
                                 tokens_seen)
                 export_every = cfg.export_every_s if cfg.export_every_s is not None else 6 * cfg.checkpoint_every_s
                 export_due = time.monotonic() - last_export >= export_every and not reached
-                if on_checkpoint is not None and (export_due or due_step or step == cfg.max_steps):
+                if on_checkpoint is not None and not final and (export_due or due_step):
                     on_checkpoint(step)
                     last_export = time.monotonic()
                 last_save = time.monotonic()
