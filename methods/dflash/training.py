@@ -218,7 +218,7 @@ HELDOUT_TEACHER = ".heldout_teacher.pt"
 
 def _fingerprint(features: Tensor) -> tuple[tuple[int, ...], float, float]:
     """What identifies a batch's teacher rows cheaply: their shape, sum and row-weighted sum."""
-    rows = features.double().sum(-1)
+    rows = features.sum(-1, dtype=torch.float64)  # no float64 copy of an lm_head
     return tuple(features.shape), float(rows.sum()), float((rows * torch.arange(len(rows), dtype=rows.dtype)).sum())
 
 
