@@ -359,12 +359,10 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         rows = loop.read_log(out_dir)
         model.eval()
         cache = read_teacher_cache(out_dir / HELDOUT_TEACHER)
-        before = {k: v if k == "lm_head" else v[0] for k, v in cache.items()}
         accuracy = heldout_slot_accuracy(objective, batches, cache)
-        if {k: v if k == "lm_head" else v[0] for k, v in cache.items()} != before:
-            tmp = out_dir / (HELDOUT_TEACHER + ".tmp")
-            torch.save(cache, tmp)
-            tmp.replace(out_dir / HELDOUT_TEACHER)
+        tmp = out_dir / (HELDOUT_TEACHER + ".tmp")  # ~1 MB, every export: simpler than tracking changes
+        torch.save(cache, tmp)
+        tmp.replace(out_dir / HELDOUT_TEACHER)
         model.train()
         keys = ("loss", "ce", "tv", "bce", "conf", "acc", "acc0", "acc1", "acc3", "acc7")
         manifest = {
