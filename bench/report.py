@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from bench.goals import GOAL_SERIES, goals_summary, goals_table, scaling_fit, sc
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
 from bench.records import Problem
-from bench.revisions import display_revisions, revisions_table
+from bench.revisions import NEWEST, display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
     BASELINE_AGE_MINUTES,
@@ -40,8 +41,9 @@ from bench.tune import tuned_overview
 
 def readme_blocks(tables: Tables, records: Records, command: str,
                   goals: pd.DataFrame | None = None, tuned: pd.DataFrame | None = None) -> dict[str, str]:
-    """What `bench report --readme` writes between markers: `report` (the headline, README.md)
-    and `references` (results/README.md)."""
+    """What `bench report --readme` writes between markers: `report` (the headline, README.md),
+    `references`, and where there is something to show `tuned`, `revisions` and `goals`
+    (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
     for run in records.runs:
         if run.method == BASELINE:
@@ -51,30 +53,41 @@ def readme_blocks(tables: Tables, records: Records, command: str,
                       + (f" x {len(runs)} passes" if len(runs) > 1 else "")
                       for (task, series), runs in sorted(baselines.items())) or "none"
     series = ", ".join(sorted({r.tag or "(untagged)" for r in records.runs})) or "none"
-    note = (f"\n\nRecords: tag(s) {series} (`{command}`). Sample sizes (AR turns per task): {sizes}. Speedup: "
-            "ratio of sums against the AR baseline of the same tag and pass, 95% bootstrap interval over paired "
-            "turns; where a task has several passes, \"speedup over repeats\" is the median [min, max] of the passes. "
-            "\"speedup (Spec-Bench)\": Spec-Bench's convention (its evaluation/speed.py), the ratio of mean "
-            "per-question tok/s over the same turns (bench/specbench.py). "
-            f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\".")
-    refs = references_table(load_references())
+    note = (f"\n\nRecords: tag(s) {series} (`{command}`). Sample sizes (AR turns per task): {sizes}. "
+            f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\". "
+            "How speedups are computed, the tuned budgets, earlier revisions and the goals: "
+            "[results/README.md](results/README.md).")
+    blocks = {}
     if tuned is not None and not tuned.empty:
-        note += ("\n\nAt each method's tuned budget (`bench tune` on this machine, then `python -m bench.grid "
-                 "--budget auto`: the same suites, each method at the draft budget it ran fastest at on held-back "
-                 "ShareGPT prompts; \"at its defaults\" is the table above):\n\n" + to_markdown(tuned)
-                 + (f"\n\n{STALE_NOTE}" if tuned["speedup [95% CI]"].str.endswith("*").any() else ""))
-    earlier = display_revisions(revisions_table(records, "overall"))
-    if not earlier.empty:  # a retrained drafter's numbers beside the ones it replaced
-        note += ("\n\nBefore and after: every method with an earlier revision of its records (a retrained "
-                 "drafter, other settings), each revision pooled over the same tasks; per task in the report's "
-                 "\"Earlier revisions\".\n\n" + to_markdown(earlier))
+        blocks["tuned"] = (to_markdown(tuned) + (f"\n\n{STALE_NOTE}" if tuned["speedup [95% CI]"].str.endswith("*")
+                                                  .any() else ""))
+    revisions = revisions_table(records, "overall")
+    if not revisions.empty:  # a retrained drafter's numbers beside the ones it replaced
+        blocks["revisions"] = to_markdown(display_revisions(revisions))
     if goals is not None and not goals.empty:
-        note += ("\n\nGoals (bench/goals.py; the grid's greedy series; per task, with what more data the scaling "
-                 "runs predict, in the report's \"Goals\"):\n\n" + goals_summary(goals))
-    return {"report": to_markdown(display_table(tables.overall)) + note,
+        blocks["goals"] = goals_summary(goals)
+    refs = references_table(load_references())
+    return {"report": to_markdown(with_first_revision(tables.overall, revisions)) + note, **blocks,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
             "(other targets, other hardware), from bench/reference_numbers.json with the sources methods/README.md "
             "lists; not measured here."}
+
+
+def with_first_revision(overall: pd.DataFrame, revisions: pd.DataFrame) -> pd.DataFrame:
+    """The headline table with each method's oldest revision (τ, speedup, records) beside it:
+    what a retrained drafter replaced, pooled over the same tasks as revisions_table pools."""
+    shown = display_table(overall)
+    if revisions.empty or shown.empty:
+        return shown
+    first = {}
+    for _, r in revisions.iterrows():
+        key = (r["target"], r["series"], r["method"])
+        if key not in first and r["changed"] != NEWEST:
+            first[key] = (f"{r['tau']:.2f}, " + ("-" if pd.isna(r.get("speedup", math.nan))
+                                                 else f"{r['speedup']:.2f}x") + f" ({r['records']})")
+    shown["first revision: τ, speedup"] = [first.get((t, s, m), "-") for t, s, m in
+                                           zip(overall["target"], overall["series"], overall["method"])]
+    return shown
 
 
 def profile_block(profiles: list[dict]) -> str:
@@ -155,8 +168,32 @@ def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
                        tuned.per_task if tuned is not None else None, profiles)
 
 
-DRAFTERS = "drafters"  # README block: how each shipped drafter was trained (written where the marker is)
-PROFILE = "profile"  # results/README block: every kept hardware profile (written where the marker is)
+DRAFTERS = "drafters"  # how each shipped drafter was trained
+PROFILE = "profile"  # every kept hardware profile
+# Blocks a README may leave out: each is written into whichever of the two files has its markers.
+OPTIONAL_BLOCKS = (DRAFTERS, PROFILE, "tuned", "revisions", "goals")
+
+
+def place_blocks(blocks: dict[str, str], readme: Path, results_readme: Path) -> dict[Path, dict[str, str]]:
+    """The headline goes to README.md and `references` to results/README.md (both must have
+    their markers); every optional block to the file that has its markers, or nowhere."""
+    texts = {}
+    for path in (readme, results_readme):
+        try:
+            texts[path] = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise BenchError(f"cannot read {path}: {exc.strerror}") from None
+    files: dict[Path, dict[str, str]] = {readme: {}, results_readme: {}}
+    for name, block in blocks.items():
+        if name == HEADLINE:
+            files[readme][name] = block
+        elif name not in OPTIONAL_BLOCKS:
+            files[results_readme][name] = block
+        else:
+            where = [p for p in (readme, results_readme) if f"<!-- {name}:start -->" in texts[p]]
+            if where:
+                files[where[0]][name] = block
+    return files
 
 
 def drafters_table() -> str:
@@ -298,11 +335,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
                                            ("method", methods), ("tag", tags)) for v in values)
         blocks = readme_blocks(tables, records, command, goals, tuned_view)
         results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
-        top = {HEADLINE: blocks.pop(HEADLINE)}
-        if f"<!-- {DRAFTERS}:start -->" in Path(readme).read_text(encoding="utf-8"):
-            top[DRAFTERS] = drafters_table()
-        if f"<!-- {PROFILE}:start -->" in results_readme.read_text(encoding="utf-8"):
-            blocks[PROFILE] = profile_block(records.profiles)
-        update_readmes({Path(readme): top, results_readme: blocks})
+        blocks[DRAFTERS] = drafters_table()
+        blocks[PROFILE] = profile_block(records.profiles)
+        update_readmes(place_blocks(blocks, Path(readme), results_readme))
     return {"html": html_path, "files": written, "problems": records.problems, "tables": tables,
             "figures": figures}

@@ -158,14 +158,19 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("<!-- report:start -->\n<!-- report:end -->\n")
     (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "README.md").write_text("<!-- references:start -->\n<!-- references:end -->\n")
+    results_readme = tmp_path / "results" / "README.md"
+    results_readme.write_text("".join(f"<!-- {b}:start -->\n<!-- {b}:end -->\n" for b in
+                                      ("references", "revisions", "goals")))
     out = make_report(tmp_path, tmp_path / "out", tags=("grid",), readme=readme)
     html = out["html"].read_text()
     assert 'id="revisions"' in html and "1.40M tokens" in html
     assert 'id="goals"' in html and "eagle3 τ ≥ 3" in html  # the grid's series: its goals (none of it ran)
     assert (tmp_path / "out" / "tables" / "revisions.csv").read_text().count("\n") == 3
-    assert "Before and after" in readme.read_text() and "| pld | grid.r2 |" in readme.read_text()
-    assert "- every method 100% exact against AR: met on 1 of 1 tasks" in readme.read_text()
+    # README.md: the headline, each method's first revision beside its newest; the rest in results/README.md.
+    headline = next(line for line in readme.read_text().splitlines() if line.startswith("| pld |"))
+    assert headline.endswith("| 3.00, 4.00x (grid) |") and "Before and after" not in readme.read_text()
+    assert "| pld | grid.r2 |" in results_readme.read_text() and "| pld | grid.r2 |" not in readme.read_text()
+    assert "- every method 100% exact against AR: met on 1 of 1 tasks" in results_readme.read_text()
     # python -m bench.summary reads each method's newest revision, against that revision's baseline.
     from bench.summary import summary_rows
 
