@@ -456,7 +456,8 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
 @click.option("--tag", "tags", multiple=True, help="only this record series, with its revisions (repeatable)")
 @click.option("--out", "out_dir", default="plots", show_default=True, help="folder for report.html, figures/, tables/")
 @click.option("--readme", is_flag=True,
-              help="also rewrite the generated blocks: the headline in README.md, the references in results/README.md")
+              help="also rewrite the generated blocks: the headline in README.md, the references in results/README.md, "
+                   "and the drafters, profile, tuned, revisions and goals blocks where their markers are")
 @click.option("--load-tag", "load_tags", multiple=True,
               help="a load sweep's series (make load-sweep: load1, load2, ...) drawn in the load figure only, "
                    "beside the selection's tables (repeatable)")
