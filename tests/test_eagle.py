@@ -341,3 +341,36 @@ def test_fr_spec_drafts_only_frequent_tokens_and_stays_lossless(default_target, 
         assert decoder.info["fr_spec"]["counted_in"] == "bfloat16-test" and decoder.drafter.lm_head.shape[0] == 64
     with pytest.raises(BenchError, match="own trained draft vocabulary"):
         registry.build_decoder("eagle3", target, {"draft_vocab": 512})
+
+
+def test_taps_option_fuses_the_layers_given_and_old_checkpoints_still_resume(default_target, tiny_training,
+                                                                            one_thread):
+    """`--option taps=2,15,30` (EAGLE-3, a named deviation): the head fuses those layers and the
+    drafter reads them back; left at its default the option is not in the run's identity, so a
+    checkpoint made before it existed resumes; bad values are one-line errors."""
+    import bench.registry as registry
+    from methods.eagle.training import train_eagle
+
+    settings = tiny_training("eagle3", 1, "eagle3-taps")
+    settings.options["taps"] = "2,15,30"
+    train_eagle(default_target, settings, "eagle3", "eagle3")
+    manifest = json.loads((settings.out_dir / "drafter.json").read_text())
+    assert manifest["architecture"]["taps"] == [2, 15, 30]
+    state = json.loads((settings.out_dir / "checkpoint" / "state.json").read_text())
+    assert state["settings"]["train"]["taps"] == "2,15,30"
+    prompt = prompt_of(default_target)
+    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
+    decoder = registry.build_decoder("eagle3", default_target, {"drafter": str(settings.out_dir)})
+    assert decoder.run_turn(prompt, config).tokens == decode(default_target.engine, Drafter(), prompt, config).tokens
+    default = tiny_training("eagle3", 1, "eagle3-default-taps")
+    train_eagle(default_target, default, "eagle3", "eagle3")
+    assert "taps" not in json.loads((default.out_dir / "checkpoint" / "state.json").read_text())["settings"]["train"]
+    for bad, message in (("2,x", "separated by commas"), ("2,2", "distinct"), ("0,15", "between 1 and 30")):
+        wrong = tiny_training("eagle3", 1, "eagle3-bad")
+        wrong.options["taps"] = bad
+        with pytest.raises(BenchError, match=message):
+            train_eagle(default_target, wrong, "eagle3", "eagle3")
+    eagle1 = tiny_training("eagle1", 1, "eagle1-taps")
+    eagle1.options["taps"] = "2,15,30"
+    with pytest.raises(BenchError, match="EAGLE-3 option"):
+        train_eagle(default_target, eagle1, "eagle1", "eagle")

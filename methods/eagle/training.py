@@ -59,6 +59,24 @@ class EagleTrainSettings:
     max_len: int = FeatureData.max_len
     self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
     shared_lm_head: bool = False  # eagle3: the target's lm_head rows, frozen, not stored (a named deviation)
+    taps: str = ""  # eagle3: the target layers fused, e.g. "2,15,30" (HF hidden_states numbering; a named
+    #                 deviation); "" = the paper's low/mid/high, eagle3_taps
+
+
+# Options added after at-scale runs began: left out of a run's identity while at their default, so
+# checkpoints made before they existed still resume.
+LATER_OPTIONS = ("taps",)
+
+
+def parse_taps(text: str, num_layers: int) -> list[int]:
+    """`--option taps=2,15,30`: distinct layers in 1..num_layers, in the order given."""
+    try:
+        taps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise BenchError(f"taps must be layer numbers separated by commas, got '{text}'") from None
+    if len(set(taps)) != len(taps) or not all(1 <= t <= num_layers for t in taps):
+        raise BenchError(f"taps must be distinct layers between 1 and {num_layers}, got '{text}'")
+    return taps
 
 
 class FeatureBatches:
@@ -337,7 +355,10 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     options = {k: _coerce(v, type(getattr(EagleTrainSettings, k))) for k, v in settings.options.items()}
     train_settings = EagleTrainSettings(**options)
     num_layers = target.config.num_hidden_layers
-    taps = eagle3_taps(num_layers) if kind == "eagle3" else [num_layers]
+    if train_settings.taps and kind != "eagle3":
+        raise BenchError("taps is an EAGLE-3 option (EAGLE-1 reads the target's last layer)")
+    taps = [num_layers] if kind != "eagle3" else (parse_taps(train_settings.taps, num_layers) if train_settings.taps
+                                                  else eagle3_taps(num_layers))
     data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
                        self_distill=train_settings.self_distill,
                        data_path=str(settings.data_path) if settings.data_path else None)
@@ -366,7 +387,9 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
-                "features": store.folder.name, "train": asdict(train_settings),
+                "features": store.folder.name,
+                "train": {k: v for k, v in asdict(train_settings).items()
+                          if not (k in LATER_OPTIONS and v == getattr(EagleTrainSettings, k))},
                 "bf16_autocast": settings.bf16_autocast()}
     cfg = settings.loop_config(len(batches.train_spans), grad_clip=0.5)
     out_dir = Path(settings.out_dir)
