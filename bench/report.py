@@ -42,8 +42,7 @@ from bench.tune import tuned_overview
 def readme_blocks(tables: Tables, records: Records, command: str,
                   goals: pd.DataFrame | None = None, tuned: pd.DataFrame | None = None) -> dict[str, str]:
     """What `bench report --readme` writes between markers: `report` (the headline, README.md),
-    `references`, and where there is something to show `tuned`, `revisions` and `goals`
-    (results/README.md)."""
+    `references`, `tuned`, `revisions` and `goals` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
     for run in records.runs:
         if run.method == BASELINE:
@@ -57,7 +56,10 @@ def readme_blocks(tables: Tables, records: Records, command: str,
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\". "
             "How speedups are computed, the tuned budgets, earlier revisions and the goals: "
             "[results/README.md](results/README.md).")
-    blocks = {}
+    # Each block is written even when empty, so a block never keeps numbers from an earlier selection.
+    blocks = {"tuned": "(none: no tuned series in this selection, `--tuned-tag`)",
+              "revisions": "(none: no method has an earlier revision in this selection)",
+              "goals": "(none: the selection holds none of the grid's greedy series)"}
     if tuned is not None and not tuned.empty:
         blocks["tuned"] = (to_markdown(tuned) + (f"\n\n{STALE_NOTE}" if tuned["speedup [95% CI]"].str.endswith("*")
                                                   .any() else ""))

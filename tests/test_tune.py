@@ -168,6 +168,10 @@ def test_the_report_shows_the_tuned_series_beside_the_grid_and_checks_its_speedu
     text = (results / "README.md").read_text(encoding="utf-8")  # the headline alone goes to README.md
     headline = readme.read_text(encoding="utf-8")
     assert "| eagle3 |" in headline and "| 0.50x | 100% |" not in headline
+    # A selection without a tuned series empties the block rather than keeping the numbers above.
+    make_report(results, tmp_path / "plots", tags=("grid",), readme=readme)
+    assert "(none: no tuned series" in (results / "README.md").read_text(encoding="utf-8")
+    make_report(results, tmp_path / "plots", tags=("grid",), tuned_tags=("grid-auto",), readme=readme)
     assert "| eagle3 | 2 | 2 | 3.00 | 1.25x [1.25, 1.25] | 0.50x | 100% |" in text
     assert "- eagle3 speedup > 1 at its tuned budget: met on 1 of 1 tasks" in text
     assert "- eagle3 speedup > 1: met on 0 of 1 tasks; missed on mtbench (0.50x)" in text
