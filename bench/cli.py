@@ -136,6 +136,9 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--export-minutes", type=click.FloatRange(min=0.0), default=None,
               help="export the drafter with its held-out evaluation at most this often (default: every 6 "
                    "checkpoints; the end and each --keep-at always export)")
+@click.option("--stop-after", "stop_after", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="minutes: this invocation exports, checkpoints and stops this long after it began (the run is "
+                   "unfinished; the same command again resumes it), e.g. to fit a lent machine's call")
 @click.option("--data-limit", type=click.IntRange(min=1), default=None, help="use only N conversations")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (1 is much faster when other jobs share the cores)")
@@ -146,9 +149,12 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
                    "(for the scaling figure)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
-          checkpoint_minutes, export_minutes, data_limit, threads, precision, keep_at, options) -> None:
+          checkpoint_minutes, export_minutes, stop_after, data_limit, threads, precision, keep_at, options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
+    import time
+
+    invoked = time.time()  # --stop-after counts from here: loading and data setup included
 
     if status:
         _training_status(out_dir)
@@ -191,7 +197,8 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         batch_size=batch_size, max_len=max_len, lr=lr, warmup_steps=warmup_steps, seed=seed,
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes,
         export_every_s=None if export_minutes is None else 60 * export_minutes, data_limit=data_limit,
-        options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs)
+        options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs,
+        stop_at=None if stop_after is None else invoked + 60 * stop_after)
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     with exclusive_folder(settings.out_dir):
         (settings.out_dir / COMMAND).write_text(_command_line() + "\n")  # what `bench train --status` says resumes it
@@ -199,6 +206,9 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     last = summary.get("last")
     metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
         "(already complete)"
+    if summary.get("stopped"):
+        click.echo(f"stopped after --stop-after {stop_after:g} min at step {summary['steps']} of "
+                   f"{summary['max_steps']} (unfinished: the same command resumes it)")
     click.echo(f"done: {summary['steps']} steps, last step {metrics}; drafter in {summary['drafter']}; "
                f"log {summary['log']}")
     manifest = Path(summary["drafter"]) / "drafter.json"

@@ -17,7 +17,12 @@ training folder without the resume files (the copies `--keep-at` kept, for the s
 
 `--run` trains with `make train-at-scale SETUP= BENCH="python3 -m bench.cli"`, so the methods'
 settings are the Makefile's; `--args` adds to TRAIN_ARGS (e.g. a larger `--batch-size`, which
-the manifests record). `--merge` checks the archive's digest, puts the shipped drafters in
+the manifests record). `--minutes M` fits the run into one call: the features are extracted
+once, then every method trains at once, each its own process on the one GPU, with
+`--stop-after` so that each exports, checkpoints and ships by M minutes after the start (a
+method stopped early ships the drafter it had: its manifest says how far it got), and only
+the shipped drafters travel back (no training folders), in parts 0..3 of that call.
+`--merge` checks the archive's digest, puts the shipped drafters in
 methods/checkpoints and the training folders where `bench train` would have left them, and
 checks the 100 MB budget.
 """
@@ -32,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from scripts.gpu_distill import install_target
@@ -42,7 +48,7 @@ PACKED = Path(".gpu_scale")  # on the device machine, in the checkout: the parts
 INDEX = "gpu_scale.json"
 
 
-def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None) -> dict:
+def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None, shipped_only: bool = False) -> dict:
     """One archive of the shipped drafters and training folders, split into numbered parts."""
     import methods as shipped_root
     from bench.core.drafters import user_dir
@@ -54,6 +60,8 @@ def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None) ->
     with tarfile.open(archive, "w") as tar:
         for method in methods:
             tar.add(root / method, arcname=f"shipped/{method}")
+            if shipped_only:
+                continue
             folder = user_dir(DEFAULT_TARGET, method)
             for path in sorted(folder.rglob("*")):
                 relative = path.relative_to(folder)
@@ -65,7 +73,8 @@ def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None) ->
     for i in range(0, len(blob), PART_BYTES):
         names.append(f"drafters.part{i // PART_BYTES:02d}")
         (out_dir / names[-1]).write_bytes(blob[i:i + PART_BYTES])
-    index = {"methods": methods, "target": DEFAULT_TARGET, "parts": names, "sha256": hashlib.sha256(blob).hexdigest()}
+    index = {"methods": methods, "target": DEFAULT_TARGET, "parts": names, "sha256": hashlib.sha256(blob).hexdigest(),
+             "shipped_only": shipped_only}
     (out_dir / INDEX).write_text(json.dumps(index))
     return index
 
@@ -100,6 +109,55 @@ def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None
     send(0, out)
 
 
+def _make(args: str, tokens: str | None, methods: str) -> list[str]:
+    command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
+               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}"]
+    return command + ([f"SCALE_TOKENS={tokens}"] if tokens else [])
+
+
+def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None, minutes: float) -> None:
+    """Features once, then every method at once, each stopping in time to ship; what shipped travels back."""
+    started = time.time()
+    pylib = install_target(dest)
+    os.environ.setdefault("BENCH_CACHE", "/tmp/bench-cache")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pylib), str(Path.cwd())]), PYTHONUNBUFFERED="1")
+    subprocess.run(_make(args, tokens, ""), env=env, check=False)  # SCALE_TRAIN empty: the features alone
+    print(f"features: {time.time() - started:.0f} s after the start", flush=True)
+    # Each run stops (export, checkpoint, ship) by the deadline less a margin for its last export and ship.
+    stop_after = (started + 60 * minutes - 45 - time.time()) / 60
+    if stop_after <= 0.5:
+        sys.exit(f"the features took the whole {minutes} min: nothing left to train in")
+    logs = Path("/tmp/gpu_scale_logs")
+    logs.mkdir(exist_ok=True)
+    running = {}
+    for method in methods:
+        handle = open(logs / f"{method}.log", "w")
+        running[method] = (subprocess.Popen(_make(f"{args} --stop-after {stop_after:.2f}", tokens, method), env=env,
+                                            stdout=handle, stderr=subprocess.STDOUT), handle)
+    for method, (process, handle) in running.items():
+        try:
+            process.wait(timeout=max(1.0, started + 60 * minutes - time.time()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        handle.close()
+        lines = (logs / f"{method}.log").read_text(errors="replace").splitlines()
+        print(f"--- {method}: exit {process.returncode}\n" + "\n".join(
+            line[-300:] for line in lines if not line.startswith(("train:", "\r")))[-2500:], flush=True)
+    from bench.core.target import DEFAULT_TARGET
+
+    shipped = Path("methods") / "checkpoints" / DEFAULT_TARGET
+    done = [m for m in methods if m != "mtp-parallel" and (shipped / m / "drafter.json").exists()
+            and (shipped / m / "drafter.json").stat().st_mtime > started]
+    print(f"shipped in this call: {', '.join(done) or 'none'}", flush=True)
+    if not done:
+        sys.exit("no method shipped")
+    sys.path.insert(0, str(pylib))
+    index = _pack(done, PACKED, shipped_only=True)
+    print(f"{len(index['parts'])} parts of the drafters' archive in {PACKED}")
+    send(0, out)
+
+
 def merge(folders: list[Path], checkpoints: Path | None = None) -> None:
     import methods as shipped_root
     from bench.core.drafters import SHIPPED_BUDGET_BYTES, shipped_bytes, user_dir
@@ -123,11 +181,14 @@ def merge(folders: list[Path], checkpoints: Path | None = None) -> None:
     for method in index["methods"]:
         for src, dst in ((staging / "shipped" / method, checkpoints / index["target"] / method),
                          (staging / "training" / method, user_dir(index["target"], method))):
+            if not src.exists():  # a --shipped-only archive
+                continue
             shutil.rmtree(dst, ignore_errors=True)
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(src), dst)
-        print(f"{method}: shipped {checkpoints / index['target'] / method}; training folder "
-              f"{user_dir(index['target'], method)}")
+        training = f"; training folder {user_dir(index['target'], method)}" \
+            if (user_dir(index["target"], method)).exists() and not index.get("shipped_only") else ""
+        print(f"{method}: shipped {checkpoints / index['target'] / method}{training}")
     shutil.rmtree(staging)
     total = shipped_bytes(checkpoints)
     print(f"every shipped drafter: {total / 1e6:.1f} MB (budget {SHIPPED_BUDGET_BYTES / 1e6:.0f} MB)")
@@ -143,9 +204,13 @@ def main() -> None:
     parser.add_argument("--methods", default="eagle3", help="SCALE_TRAIN: methods to train, in order")
     parser.add_argument("--args", default="--device cuda", help="TRAIN_ARGS")
     parser.add_argument("--tokens", default=None, help="SCALE_TOKENS (smaller only to try the script out)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="with --run: every method at once, shipped within this many minutes of the start")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.run:
+    if args.run and args.minutes:
+        run_parallel(args.run, args.methods.split(), args.out, args.args, args.tokens, args.minutes)
+    elif args.run:
         run(args.run, args.methods.split(), args.out, args.args, args.tokens)
     elif args.send is not None:
         send(args.send, args.out)

@@ -334,6 +334,40 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
     assert [row["step"] for row in loop.read_log(tmp_path)][-2:] == [10, 11]
 
 
+def test_stop_at_exports_checkpoints_and_the_rerun_ends_where_one_run_would(tmp_path):
+    """stop_at ends an invocation early (a lent machine's call, a session's end): it exports
+    and checkpoints there, and the same settings again resume to the weights of an unbroken run."""
+    from bench.core.training import loop
+
+    class Toy:
+        def __init__(self) -> None:
+            self.w = torch.nn.Parameter(torch.linspace(-1, 1, 4).reshape(2, 2))
+
+        def named_parameters(self):
+            return [("w", self.w)]
+
+        def loss(self, batch):
+            return ((self.w * batch).sum() - 1) ** 2, {"tokens": 10.0}
+
+    def next_batch(cursor):
+        return torch.full((2, 2), 0.1 * (cursor % 3 + 1)), cursor + 1
+
+    whole = Toy()
+    loop.train(whole, next_batch, loop.LoopConfig(max_steps=6, checkpoint_every_s=1e9), tmp_path / "whole",
+               progress=False)
+    parts, exported = Toy(), []
+    cfg = loop.LoopConfig(max_steps=6, checkpoint_every_s=1e9, stop_at=0.0)  # stops after its first step
+    summary = loop.train(parts, next_batch, cfg, tmp_path / "parts", progress=False, on_checkpoint=exported.append)
+    assert summary["stopped"] and summary["steps"] == 1 and summary["max_steps"] == 6 and exported == [1]
+    assert json.loads((tmp_path / "parts" / "checkpoint" / "state.json").read_text())["step"] == 1
+    summary = loop.train(parts, next_batch, cfg, tmp_path / "parts", progress=False, on_checkpoint=exported.append)
+    assert summary["steps"] == 2 and summary["resumed_from"] == 1 and exported == [1, 2]
+    summary = loop.train(parts, next_batch, loop.LoopConfig(max_steps=6, checkpoint_every_s=1e9),
+                         tmp_path / "parts", progress=False, on_checkpoint=exported.append)
+    assert not summary["stopped"] and summary["steps"] == 6 and exported == [1, 2, 6]
+    assert torch.equal(parts.w, whole.w)
+
+
 def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     """`bench train --epochs E`: max_steps = E passes over the trainer's own data."""
     import dataclasses

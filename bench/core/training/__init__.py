@@ -46,6 +46,7 @@ class TrainSettings:
     precision: str = "auto"  # auto: bf16 autocast where bf16 matmul is native (AMX, AVX512-BF16, CUDA), else fp32
     keep_at: tuple[int, ...] = ()  # trained-token counts at which a copy of the drafter is kept (scaling figure)
     epochs: float | None = None  # set: max_steps = passes over the trainer's training data (its batch units)
+    stop_at: float | None = None  # time.time() at which this invocation stops (export, checkpoint); a rerun resumes
 
     def bf16_autocast(self) -> bool:
         """Whether the drafter's matmuls run under bf16 autocast (fp32 master weights and
@@ -67,7 +68,7 @@ class TrainSettings:
             steps = max(1, math.ceil(self.epochs * units / self.batch_size))
         return LoopConfig(**{"max_steps": steps, "lr": self.lr, "warmup_steps": self.warmup_steps,
                              "checkpoint_every_s": self.checkpoint_every_s, "export_every_s": self.export_every_s,
-                             "seed": self.seed, **overrides})
+                             "stop_at": self.stop_at, "seed": self.seed, **overrides})
 
     def keeper(self, export):
         """The loop's on_milestone for `keep_at`: export the drafter (export(step) writes it

@@ -55,6 +55,9 @@ class LoopConfig:
     # CPU) runs at most this often, and at the end; checkpoints stay as frequent as above.
     # None: six checkpoint intervals (30 minutes at the default 5; every checkpoint at 0).
     export_every_s: float | None = None
+    # Wall-clock time (time.time()) at which this invocation stops early (export, checkpoint,
+    # return), so a run fits a lent machine's call or a session; the next one resumes. None: never.
+    stop_at: float | None = None
     seed: int = 0
 
 
@@ -183,7 +186,7 @@ def _trim_log(path: Path, last_step: int) -> None:
 
 
 # Loop settings that may change between an interrupted run and its resumption.
-RESUMABLE_CHANGES = ("max_steps", "checkpoint_every_s", "checkpoint_every_steps", "export_every_s")
+RESUMABLE_CHANGES = ("max_steps", "checkpoint_every_s", "checkpoint_every_steps", "export_every_s", "stop_at")
 
 
 LOCK = ".train.lock"
@@ -270,6 +273,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
         log_path.unlink()
 
     first = last = None
+    stopped = False
     last_save = last_export = time.monotonic()
     started = time.monotonic() - elapsed
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not progress)
@@ -308,6 +312,8 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                 on_milestone(milestone, step)  # before the checkpoint: a crash in between redoes it
                 last_export = time.monotonic()  # the milestone exported the drafter
             final = step == cfg.max_steps
+            stopped = not final and cfg.stop_at is not None and time.time() >= cfg.stop_at
+            final = final or stopped  # a stop exports and checkpoints as the end does
             if final and on_checkpoint is not None:
                 on_checkpoint(step)  # before the last checkpoint, as a milestone: a run stopped in between redoes
                 last_export = time.monotonic()  # its last steps and exports again (after it, nothing would)
@@ -320,8 +326,11 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                     on_checkpoint(step)
                     last_export = time.monotonic()
                 last_save = time.monotonic()
+            if stopped:
+                break
     bar.close()
-    return {"steps": step, "resumed_from": resumed_from, "first": first, "last": last, "tokens_seen": tokens_seen,
+    return {"steps": step, "max_steps": cfg.max_steps, "stopped": stopped, "resumed_from": resumed_from,
+            "first": first, "last": last, "tokens_seen": tokens_seen,
             "elapsed_s": round(time.monotonic() - started, 1), "log": str(log_path)}
 
 
