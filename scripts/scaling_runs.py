@@ -29,8 +29,12 @@ RUN_FIELDS = ("max_steps", "batch_size", "lr", "warmup_steps", "seed", "settings
 
 def training_run(manifest: dict) -> str:
     """8 hex digits naming the training run a drafter (a kept copy or the final one) comes from."""
+    from bench.core.training import without_later_defaults
+
     training = manifest.get("training", {})
     identity = {"method": manifest.get("method"), **{k: training.get(k) for k in RUN_FIELDS}}
+    if isinstance(identity["settings"], dict):
+        identity["settings"] = without_later_defaults(identity["settings"])
     return hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
@@ -49,7 +53,7 @@ def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 @click.command()
-@click.option("--method", "methods", multiple=True, required=True, help="a trained method (repeatable)")
+@click.option("--method", "methods", multiple=True, help="a trained method (repeatable)")
 @click.option("--task", "tasks", multiple=True, help="default: MT-bench and HumanEval (the figure's)")
 @click.option("--out", "out_dirs", multiple=True,
               help="the training folder of each --method, in order (default: bench train's)")
@@ -59,8 +63,16 @@ def kept_drafters(out_dir: Path) -> list[tuple[int, Path]]:
               help="where the report of these runs goes (the scaling figure and its fit)")
 @click.option("--compare-tag", "compare", multiple=True,
               help="another series to show in that report, e.g. earlier drafters run the same way")
-def main(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare) -> None:
+@click.option("--report-only", is_flag=True,
+              help="run nothing: the report of every scaling run kept in --results-dir (where the training "
+                   "folders are gone, e.g. on another machine)")
+def main(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare, report_only) -> None:
     try:
+        if report_only:
+            click.echo(f"report: {_report(results_dir, report_dir, tasks, methods, (), compare)['html']}")
+            return
+        if not methods:
+            raise BenchError("give --method (a trained method), or --report-only")
         _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_dir, compare)
     except BenchError as exc:
         click.echo(f"error: {exc}", err=True)
@@ -95,17 +107,22 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
                                results_dir=results_dir, method_options={"drafter": str(drafter.resolve())},
                                **DEFAULT_PLAN.get(task, {"limit": 10}))
         run(settings)  # a finished record is read back, not run again
+    click.echo(f"report: {_report(results_dir, report_dir, tasks, methods, tuple(tag_of.values()), compare)['html']}")
+
+
+def _report(results_dir, report_dir, tasks, methods, tags, compare) -> dict:
+    """The scaling report of `tags` and of every scaling run kept in results_dir, not only this
+    call's, so that the report of one method's runs keeps the other methods' lines."""
     from bench.report import make_report
 
-    # Every scaling run kept in results_dir, not only this call's, so that the report of one
-    # method's runs keeps the other methods' lines.
     files = list(Path(results_dir).glob("*/*/*-scale-*.jsonl"))
+    if not files and not tags:
+        raise BenchError(f"no scaling runs in {results_dir} (make scaling-runs)")
     kept = {tuple(p.stem.split("-scale-", 1)) for p in files}
-    tags = tuple(sorted(set(tag_of.values()) | {f"scale-{rest}" for _, rest in kept})) + tuple(compare)
-    report = make_report(Path(results_dir), Path(report_dir),
-                         tasks=tuple(sorted(set(tasks or TASKS) | {p.parent.name for p in files})),
-                         methods=("ar", *sorted(set(methods) | {m for m, _ in kept} - {"ar"})), tags=tags)
-    click.echo(f"report: {report['html']}")
+    tags = tuple(sorted(set(tags) | {f"scale-{rest}" for _, rest in kept})) + tuple(compare)
+    return make_report(Path(results_dir), Path(report_dir),
+                       tasks=tuple(sorted(set(tasks or TASKS) | {p.parent.name for p in files})),
+                       methods=("ar", *sorted(set(methods) | {m for m, _ in kept} - {"ar"})), tags=tags)
 
 
 if __name__ == "__main__":

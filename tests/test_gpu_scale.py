@@ -41,3 +41,28 @@ def test_pack_send_merge_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert _tree(here / "checkpoints") == _tree(device / "checkpoints")
     merged = _tree(here / "cache" / "drafters" / "smollm2-135m" / "eagle3")
     assert merged == {"model.safetensors": b"w" * 1500, "kept/200000-tokens/model.safetensors": b"k" * 700}
+
+
+def test_shipped_only_archive_leaves_the_training_folders_here_alone(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `--run --minutes` sends back: the shipped drafters alone; merging it replaces the shipped
+    folder and keeps this machine's training folder (its checkpoint may resume a CPU run)."""
+    device, here = tmp_path / "device", tmp_path / "here"
+    shipped = device / "checkpoints" / "smollm2-135m" / "dspark"
+    shipped.mkdir(parents=True)
+    (shipped / "model.safetensors").write_bytes(b"d" * 2500)
+    monkeypatch.setenv("BENCH_CACHE", str(device / "cache"))
+    training = device / "cache" / "drafters" / "smollm2-135m" / "dspark"
+    training.mkdir(parents=True)
+    (training / "model.safetensors").write_bytes(b"t" * 100)
+    index = gpu_scale._pack(["dspark"], device / "packed", device / "checkpoints", shipped_only=True)
+    assert index["shipped_only"] and len(index["parts"]) == 1
+    gpu_scale.send(0, tmp_path / "call", device / "packed")
+    monkeypatch.setenv("BENCH_CACHE", str(here / "cache"))
+    ours = here / "cache" / "drafters" / "smollm2-135m" / "dspark"
+    ours.mkdir(parents=True)
+    (ours / "checkpoint").mkdir()
+    (ours / "checkpoint" / "state.json").write_text("{}")
+    gpu_scale.merge([tmp_path / "call"], here / "checkpoints")
+    assert _tree(here / "checkpoints") == _tree(device / "checkpoints")
+    assert _tree(ours) == {"checkpoint/state.json": b"{}"}

@@ -570,6 +570,13 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
 
     first, later = training_run(manifest(1_300_229, 200)), training_run(manifest(4_373_615, 200))
     assert training_run(manifest(1_300_229, 4632)) == first != later  # a run's copies share it
+    # An option added while the run trained (EAGLE-3's taps), recorded at its default only in the
+    # manifests exported after it existed, leaves the run's id alone; set, it is another run.
+    exported_later = manifest(1_300_229, 4632)
+    exported_later["training"]["settings"]["taps"] = ""
+    assert training_run(exported_later) == first
+    exported_later["training"]["settings"]["taps"] = "2,15,30"
+    assert training_run(exported_later) != first
     assert scaling_run(scaling_tag(201_036, first)) == first and scaling_run("scale-201036") is None
     keys = [("1", 1), ("1", 2)]
     for run, accepted in ((first, (1, 1, 1)), (later, (3, 2, 1))):

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
+from bench.core.training import without_later_defaults
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
 from bench.core.training.vocab_rows import agrees, soft_cross_entropy
 from methods.eagle.model import EagleConfig, EagleHead
@@ -62,10 +63,6 @@ class EagleTrainSettings:
     taps: str = ""  # eagle3: the target layers fused, e.g. "2,15,30" (HF hidden_states numbering; a named
     #                 deviation); "" = the paper's low/mid/high, eagle3_taps
 
-
-# Options added after at-scale runs began: left out of a run's identity while at their default, so
-# checkpoints made before they existed still resume.
-LATER_OPTIONS = ("taps",)
 
 
 def parse_taps(text: str, num_layers: int) -> list[int]:
@@ -388,8 +385,7 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,
                 "features": store.folder.name,
-                "train": {k: v for k, v in asdict(train_settings).items()
-                          if not (k in LATER_OPTIONS and v == getattr(EagleTrainSettings, k))},
+                "train": without_later_defaults(asdict(train_settings)),
                 "bf16_autocast": settings.bf16_autocast()}
     cfg = settings.loop_config(len(batches.train_spans), grad_clip=0.5)
     out_dir = Path(settings.out_dir)

@@ -12,6 +12,16 @@ from pathlib import Path
 
 from bench.core.errors import BenchError
 
+# Training options added after at-scale runs began, with their defaults: left out of a run's
+# identity while at the default (its checkpoint's, so older checkpoints resume, and the run id
+# of its scaling runs, so the copies kept before and the drafter exported after agree).
+LATER_OPTIONS: dict[str, object] = {"taps": ""}
+
+
+def without_later_defaults(settings: dict) -> dict:
+    """A method's training settings less the later options at their defaults (LATER_OPTIONS)."""
+    return {k: v for k, v in settings.items() if not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
+
 
 def heldout_prediction(top1_by_position: list[float]) -> dict:
     """What a run's held-out numbers predict: top-1 agreement with the target per draft
