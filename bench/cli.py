@@ -12,6 +12,8 @@ from bench.core.errors import BenchError
 from bench.core.options import option_pairs
 from bench.tune import CANDIDATES
 
+STOPPED_EXIT = 3  # bench train stopped by --stop-after before its last step (resumable, not shipped by make)
+
 
 class _Group(click.Group):
     """Turns BenchError (bad input) into one line on stderr and exit code 2."""
@@ -137,8 +139,8 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="export the drafter with its held-out evaluation at most this often (default: every 6 "
                    "checkpoints; the end and each --keep-at always export)")
 @click.option("--stop-after", "stop_after", type=click.FloatRange(min=0.0, min_open=True), default=None,
-              help="minutes: this invocation exports, checkpoints and stops this long after it began (the run is "
-                   "unfinished; the same command again resumes it), e.g. to fit a lent machine's call")
+              help="minutes: this invocation exports, checkpoints and stops this long after it began, with exit "
+                   "status 3 if the run is unfinished (the same command resumes it), e.g. to fit a lent machine's call")
 @click.option("--data-limit", type=click.IntRange(min=1), default=None, help="use only N conversations")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for torch (1 is much faster when other jobs share the cores)")
@@ -206,11 +208,8 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     last = summary.get("last")
     metrics = " ".join(f"{k}={last[k]:.4g}" for k in ("loss", "kl", "acc", "accept") if k in last) if last else \
         "(already complete)"
-    if summary.get("stopped"):
-        click.echo(f"stopped after --stop-after {stop_after:g} min at step {summary['steps']} of "
-                   f"{summary['max_steps']} (unfinished: the same command resumes it)")
-    click.echo(f"done: {summary['steps']} steps, last step {metrics}; drafter in {summary['drafter']}; "
-               f"log {summary['log']}")
+    click.echo(f"{'stopped' if summary.get('stopped') else 'done'}: {summary['steps']} steps, last step {metrics}; "
+               f"drafter in {summary['drafter']}; log {summary['log']}")
     manifest = Path(summary["drafter"]) / "drafter.json"
     if manifest.exists() and summary.get("last"):  # this invocation trained: say how, and where
         from bench.core.drafters import record_training_run
@@ -223,6 +222,10 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
         click.echo(f"held out: top-1 agreement by draft position {agreement}; "
                    f"predicted tau {heldout['predicted_tau']:.2f}")
+    if summary.get("stopped"):  # exit 3: unfinished, so `bench train ... && bench ship` does not ship it
+        click.echo(f"unfinished: stopped by --stop-after {stop_after:g} at step {summary['steps']} of "
+                   f"{summary['max_steps']}; the same command resumes it", err=True)
+        sys.exit(STOPPED_EXIT)
 
 
 def _command_line() -> str:

@@ -20,7 +20,8 @@ settings are the Makefile's; `--args` adds to TRAIN_ARGS (e.g. a larger `--batch
 the manifests record). `--minutes M` fits the run into one call: the features are extracted
 once, then every method trains at once, each its own process on the one GPU, with
 `--stop-after` so that each exports, checkpoints and ships by M minutes after the start (a
-method stopped early ships the drafter it had: its manifest says how far it got), and only
+method stopped early, which make does not ship, is shipped here with the drafter it had: its
+manifest says how far it got), and only
 the shipped drafters travel back (no training folders), in parts 0..3 of that call.
 `--merge` checks the archive's digest, puts the shipped drafters in
 methods/checkpoints and the training folders where `bench train` would have left them, and
@@ -109,9 +110,12 @@ def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None
     send(0, out)
 
 
+SCALE_OUT = Path.home() / ".cache" / "spec-bench" / "drafters-scale"  # each method's training folder
+
+
 def _make(args: str, tokens: str | None, methods: str) -> list[str]:
     command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
-               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}"]
+               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}", f"SCALE_OUT={SCALE_OUT}"]
     return command + ([f"SCALE_TOKENS={tokens}"] if tokens else [])
 
 
@@ -147,8 +151,15 @@ def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: s
     from bench.core.target import DEFAULT_TARGET
 
     shipped = Path("methods") / "checkpoints" / DEFAULT_TARGET
-    done = [m for m in methods if m != "mtp-parallel" and (shipped / m / "drafter.json").exists()
-            and (shipped / m / "drafter.json").stat().st_mtime > started]
+
+    def fresh(folder: Path) -> bool:
+        return (folder / "drafter.json").exists() and (folder / "drafter.json").stat().st_mtime > started
+
+    for method in methods:  # stopped by --stop-after (bench train's exit 3: make shipped nothing): ship what it has
+        if method != "mtp-parallel" and not fresh(shipped / method) and fresh(SCALE_OUT / method):
+            subprocess.run([sys.executable, "-m", "bench.cli", "ship", "--method", method, "--drafter",
+                            str(SCALE_OUT / method)], env=env, check=False)
+    done = [m for m in methods if m != "mtp-parallel" and fresh(shipped / m)]
     print(f"shipped in this call: {', '.join(done) or 'none'}", flush=True)
     if not done:
         sys.exit("no method shipped")

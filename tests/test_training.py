@@ -275,6 +275,26 @@ def test_cli_train_then_run(tiny_target, tmp_path, tiny_task):
     assert "100.0% of turns match" in result.output
 
 
+def test_cli_train_stopped_by_stop_after_exits_3_and_the_same_command_finishes(tiny_target, tmp_path):
+    """--stop-after: the invocation exports and checkpoints, says it is unfinished and exits 3
+    (so `bench train ... && bench ship` does not ship it); the same command resumes to the end."""
+    from click.testing import CliRunner
+
+    from bench.cli import STOPPED_EXIT, main
+
+    out = tmp_path / "drafter"
+    command = ["train", "--method", "sps", "--target", str(tiny_target.path), "--out", str(out), "--max-steps", "3",
+               "--batch-size", "1", "--max-len", "48", "--option", "num_layers=1"]
+    result = CliRunner().invoke(main, command + ["--stop-after", "1e-6"])
+    assert result.exit_code == STOPPED_EXIT == 3, result.output
+    assert "unfinished" in result.output and "Traceback" not in result.output
+    assert json.loads((out / "drafter.json").read_text())["training"]["steps"] == 1
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 1
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "drafter.json").read_text())["training"]["steps"] == 3
+
+
 def test_heldout_prediction_is_the_chain_model():
     from bench.core.training import heldout_prediction
 
