@@ -21,11 +21,10 @@ the manifests record). `--minutes M` fits the run into one call: the features ar
 once, then every method trains at once, each its own process on the one GPU, with
 `--stop-after` so that each exports, checkpoints and ships by M minutes after the start (a
 method stopped early, which make does not ship, is shipped here with the drafter it had: its
-manifest says how far it got), and only
-the shipped drafters travel back (no training folders), in parts 0..3 of that call.
-`--merge` checks the archive's digest, puts the shipped drafters in
-methods/checkpoints and the training folders where `bench train` would have left them, and
-checks the 100 MB budget.
+manifest says how far it got), and only the shipped drafters travel back (no training
+folders), in parts 0..3 of that call. `--merge` checks the archive's digest, puts the shipped
+drafters in methods/checkpoints and the training folders where `bench train` would have left
+them, and checks the 100 MB budget.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -137,12 +137,12 @@ def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: s
     for method in methods:
         handle = open(logs / f"{method}.log", "w")
         running[method] = (subprocess.Popen(_make(f"{args} --stop-after {stop_after:.2f}", tokens, method), env=env,
-                                            stdout=handle, stderr=subprocess.STDOUT), handle)
+                                            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True), handle)
     for method, (process, handle) in running.items():
         try:
             process.wait(timeout=max(1.0, started + 60 * minutes - time.time()))
-        except subprocess.TimeoutExpired:
-            process.kill()
+        except subprocess.TimeoutExpired:  # make and the bench train under it: nothing may write while we pack
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         handle.close()
         lines = (logs / f"{method}.log").read_text(errors="replace").splitlines()
