@@ -93,13 +93,25 @@ def send(first: int, out: Path, packed: Path = PACKED) -> None:
           (f"next: --send {first + PARTS_PER_CALL} ({len(left)} left)" if left else "nothing is left"))
 
 
-def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None) -> None:
+SCALE_OUT = Path.home() / ".cache" / "spec-bench" / "drafters-scale"  # each method's training folder
+
+
+def _make(args: str, tokens: str | None, methods: str) -> list[str]:
+    command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
+               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}", f"SCALE_OUT={SCALE_OUT}"]
+    return command + ([f"SCALE_TOKENS={tokens}"] if tokens else [])
+
+
+def _environment(dest: Path) -> tuple[Path, dict]:
+    """The carried target installed; pylib and the environment the make runs get."""
     pylib = install_target(dest)
     os.environ.setdefault("BENCH_CACHE", "/tmp/bench-cache")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pylib), str(Path.cwd())]), PYTHONUNBUFFERED="1")
-    command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
-               f"SCALE_TRAIN={' '.join(methods)}", f"TRAIN_ARGS={args}"]
-    command += [f"SCALE_TOKENS={tokens}"] if tokens else []
+    return pylib, dict(os.environ, PYTHONPATH=os.pathsep.join([str(pylib), str(Path.cwd())]), PYTHONUNBUFFERED="1")
+
+
+def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None) -> None:
+    pylib, env = _environment(dest)
+    command = _make(args, tokens, " ".join(methods))
     print(" ".join(command), flush=True)
     done = subprocess.run(command, env=env)
     if done.returncode:
@@ -110,21 +122,10 @@ def run(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None
     send(0, out)
 
 
-SCALE_OUT = Path.home() / ".cache" / "spec-bench" / "drafters-scale"  # each method's training folder
-
-
-def _make(args: str, tokens: str | None, methods: str) -> list[str]:
-    command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
-               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}", f"SCALE_OUT={SCALE_OUT}"]
-    return command + ([f"SCALE_TOKENS={tokens}"] if tokens else [])
-
-
 def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: str | None, minutes: float) -> None:
     """Features once, then every method at once, each stopping in time to ship; what shipped travels back."""
     started = time.time()
-    pylib = install_target(dest)
-    os.environ.setdefault("BENCH_CACHE", "/tmp/bench-cache")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pylib), str(Path.cwd())]), PYTHONUNBUFFERED="1")
+    pylib, env = _environment(dest)
     subprocess.run(_make(args, tokens, ""), env=env, check=False)  # SCALE_TRAIN empty: the features alone
     print(f"features: {time.time() - started:.0f} s after the start", flush=True)
     # Each run stops (export, checkpoint, ship) by the deadline less a margin for its last export and ship.
