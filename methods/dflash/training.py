@@ -219,7 +219,8 @@ HELDOUT_TEACHER = ".heldout_teacher.pt"
 def _fingerprint(features: Tensor) -> tuple[tuple[int, ...], float, float]:
     """What identifies a batch's teacher rows cheaply: their shape, sum and row-weighted sum."""
     rows = features.sum(-1, dtype=torch.float64)  # no float64 copy of an lm_head
-    return tuple(features.shape), float(rows.sum()), float((rows * torch.arange(len(rows), dtype=rows.dtype)).sum())
+    weights = torch.arange(len(rows), dtype=rows.dtype, device=rows.device)  # on CUDA too
+    return tuple(features.shape), float(rows.sum()), float((rows * weights).sum())
 
 
 def read_teacher_cache(path: Path) -> dict:
