@@ -81,3 +81,9 @@ def test_carried_packages_keep_their_versions(tmp_path: Path) -> None:
     carried = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(tmp_path)])}
     assert carried == {"gguf": importlib.metadata.version("gguf")}
     assert Version(carried["gguf"]) >= Version("0.10.0")
+
+
+def test_features_go_to_memory_only_where_it_holds_them(tmp_path: Path) -> None:
+    assert gpu_scale._cache_root(tmp_path, needed=1) == tmp_path / "bench-cache"
+    assert gpu_scale._cache_root(tmp_path, needed=2**62) == Path("/tmp/bench-cache")
+    assert gpu_scale._cache_root(tmp_path / "absent", needed=1) == Path("/tmp/bench-cache")

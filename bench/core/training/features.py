@@ -179,8 +179,11 @@ def describe_cache(store: FeatureStore) -> str:
     size = sum(p.stat().st_size for p in store.folder.iterdir() if p.is_file())
     state = "done" if store.index.get("done") else "partial"
     timed = [s for s in store.index.get("shards", []) if "seconds" in s]
-    rate = (f", extracted at {sum(s['tokens'] for s in timed) / max(1e-9, sum(s['seconds'] for s in timed)):.0f} tok/s"
-            if timed else "")
+    seconds = sum(s["seconds"] for s in timed)
+    rate = f", extracted at {sum(s['tokens'] for s in timed) / max(1e-9, seconds):.0f} tok/s" if timed else ""
+    if any("pass_seconds" in s for s in timed):  # where the time went: the target's passes or the writes
+        passes = sum(s.get("pass_seconds", s["seconds"]) for s in timed)
+        rate += f" ({passes:.0f} s in the target's passes, {seconds - passes:.0f} s writing)"
     return (f"{store.folder}: {store.num_tokens} tokens ({state}), taps {list(store.taps)}, "
             f"{size / 2**30:.2f} GiB{rate}")
 
@@ -367,6 +370,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 break
             began = time.perf_counter()
             shard = _extract_shard(engine, [(tokens, mask) for tokens, mask, _ in batch], all_taps)
+            passed = time.perf_counter() - began
             for tap in all_taps:  # the states first: a shard counts once the index lists it
                 _append_rows(tap_file(folder, tap), shard.pop(f"h{tap}"))
             name = f"shard_{len(index['shards']):05d}.safetensors"
@@ -374,7 +378,8 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             tokens = int(shard["tokens"].numel())
             index["shards"].append({"file": name, "sequences": len(batch), "tokens": tokens,
                                     "reply_tokens": int(shard["loss_mask"].sum()),
-                                    "seconds": round(time.perf_counter() - began, 2)})  # the pass and the writes
+                                    "seconds": round(time.perf_counter() - began, 2),  # the pass and the writes
+                                    "pass_seconds": round(passed, 2)})
             if batch[-1][2] is not None:  # the distilled rows read so far, per shard (JSON keys are strings)
                 index["distilled_read"] = {str(k): v for k, v in batch[-1][2].items()}
             write_json(index_path, index)
