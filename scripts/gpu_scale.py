@@ -25,12 +25,19 @@ manifest says how far it got), and only the shipped drafters travel back (no tra
 folders), in parts 0..3 of that call. `--merge` checks the archive's digest, puts the shipped
 drafters in methods/checkpoints and the training folders where `bench train` would have left
 them, and checks the 100 MB budget.
+
+A run `--minutes` stops before its end comes back too: after the drafters' parts, its training
+folder with the checkpoint (`--send 4`, ... while the lease lasts), which `--merge` puts in
+SCALE_OUT, so the same command resumes it, here or on the next lease: `--stage METHODS` packs
+those folders for it into resume.json and resume0/, resume1/, ... (a call carries one), and
+`--run` puts them back before it trains.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -45,6 +52,7 @@ from scripts.gpu_distill import install_target
 
 PART_BYTES = 15 * 2**20  # under the 16 MiB a returned file may have
 PARTS_PER_CALL = 4  # 60 MiB: under the 64 MiB a call brings back
+STAGE_BYTES = 52 * 2**20  # what a call carries beside the slim checkout (about 9 MiB), under 64 MiB
 PACKED = Path(".gpu_scale")  # on the device machine, in the checkout: the parts wait here between calls
 INDEX = "gpu_scale.json"
 
@@ -70,14 +78,122 @@ def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None, sh
                     tar.add(path, arcname=f"training/{method}/{relative}")
     blob = archive.read_bytes()
     archive.unlink()
-    names = []
-    for i in range(0, len(blob), PART_BYTES):
-        names.append(f"drafters.part{i // PART_BYTES:02d}")
-        (out_dir / names[-1]).write_bytes(blob[i:i + PART_BYTES])
-    index = {"methods": methods, "target": DEFAULT_TARGET, "parts": names, "sha256": hashlib.sha256(blob).hexdigest(),
+    index = {"methods": methods, "target": DEFAULT_TARGET, **_split(blob, out_dir, "drafters"),
              "shipped_only": shipped_only}
     (out_dir / INDEX).write_text(json.dumps(index))
     return index
+
+
+def _split(blob: bytes, out_dir: Path, stem: str, part_bytes: int | None = None) -> dict:
+    """`blob` as numbered files stem.part00, stem.part01, ... in out_dir; their names and digest."""
+    size = part_bytes or PART_BYTES
+    names = []
+    for i in range(0, len(blob), size):
+        names.append(f"{stem}.part{i // size:02d}")
+        (out_dir / names[-1]).write_bytes(blob[i:i + size])
+    return {"parts": names, "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def _joined(found: dict[str, Path], entry: dict) -> bytes | None:
+    """The archive an index entry names; None while a part is missing."""
+    if any(name not in found for name in entry["parts"]):
+        return None
+    blob = b"".join(found[name].read_bytes() for name in entry["parts"])
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        sys.exit(f"the parts {entry['parts'][0]}... do not make the archive that was written")
+    return blob
+
+
+def _tar_folders(folders: dict[str, Path]) -> bytes:
+    """Training folders (checkpoint, log, kept copies; not the lock) as one tar, each under its name."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, folder in folders.items():
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and path.name != ".train.lock":
+                    tar.add(path, arcname=f"{name}/{path.relative_to(folder)}")
+    return buffer.getvalue()
+
+
+def _untar_folders(blob: bytes, names: list[str], root: Path) -> None:
+    """Each named folder of the tar into root/<name>; a folder already there is kept as <name>.before-<time>."""
+    staging = root / f".gpu_scale_untar-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(staging, filter="data")
+    for name in names:
+        if (root / name).exists():
+            (root / name).rename(root / f"{name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(staging / name), root / name)
+        print(f"{name}: training folder {root / name} ({_progress(root / name)})", flush=True)
+    shutil.rmtree(staging)
+
+
+def _progress(folder: Path) -> str:
+    state = json.loads((folder / "checkpoint" / "state.json").read_text()) \
+        if (folder / "checkpoint" / "state.json").exists() else {}
+    return f"checkpoint at step {state['step']}" if state else "no checkpoint"
+
+
+def unfinished(folder: Path) -> bool:
+    """A training folder whose run stopped before its last step: its checkpoint resumes it."""
+    manifest = folder / "drafter.json"
+    if not (folder / "checkpoint" / "state.json").exists() or not manifest.exists():
+        return False
+    training = json.loads(manifest.read_text()).get("training", {})
+    return isinstance(training.get("max_steps"), int) and training.get("steps", 0) < training["max_steps"]
+
+
+def _add_resume(index: dict, methods: list[str], out_dir: Path, training_root: Path | None = None) -> dict:
+    """After the drafters, each unfinished run's folder, checkpoint included, for the calls left in the lease."""
+    root = training_root or SCALE_OUT
+    index["resume"] = {m: _split(_tar_folders({m: root / m}), out_dir, f"resume-{m}")
+                       for m in methods if unfinished(root / m)}
+    (out_dir / INDEX).write_text(json.dumps(index))
+    return index
+
+
+def _all_parts(index: dict) -> list[str]:
+    """The drafters' parts first, then each unfinished run's checkpoint."""
+    return index["parts"] + [name for entry in index.get("resume", {}).values() for name in entry["parts"]]
+
+
+def stage(methods: list[str], dest: Path, training_root: Path | None = None) -> None:
+    """Here, for the next lease: the methods' training folders (checkpoints) in dest/resume<k>/,
+    one folder a call carries (STAGE_BYTES each), and dest/resume.json, which call 1 carries."""
+    root = training_root or SCALE_OUT
+    missing = [m for m in methods if not (root / m / "checkpoint" / "state.json").exists()]
+    if missing:
+        sys.exit(f"no checkpoint to resume in {root / missing[0]}")
+    for old in dest.glob("resume*"):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    blob = _tar_folders({m: root / m for m in methods})
+    folders = []
+    for k, i in enumerate(range(0, len(blob), STAGE_BYTES)):
+        folders.append(f"resume{k}")
+        (dest / folders[-1]).mkdir(parents=True)
+        (dest / folders[-1] / "part").write_bytes(blob[i:i + STAGE_BYTES])
+    (dest / "resume.json").write_text(json.dumps({"methods": methods, "folders": folders,
+                                                  "sha256": hashlib.sha256(blob).hexdigest()}))
+    for m in methods:
+        print(f"{m}: {_progress(root / m)}")
+    print(f"carry {dest / 'resume.json'} in call 1, then one of {', '.join(folders)} in each following call")
+
+
+def unstage(dest: Path, training_root: Path | None = None) -> None:
+    """On the device: the staged training folders back into place, so the runs resume."""
+    if not (dest / "resume.json").exists():
+        return
+    staged = json.loads((dest / "resume.json").read_text())
+    parts = [dest / folder / "part" for folder in staged["folders"]]
+    if not all(p.exists() for p in parts):
+        sys.exit(f"carry every one of {', '.join(staged['folders'])} (or drop {dest / 'resume.json'})")
+    blob = b"".join(p.read_bytes() for p in parts)
+    if hashlib.sha256(blob).hexdigest() != staged["sha256"]:
+        sys.exit("the staged parts do not make the archive staged here")
+    (training_root or SCALE_OUT).mkdir(parents=True, exist_ok=True)
+    _untar_folders(blob, staged["methods"], training_root or SCALE_OUT)
 
 
 def send(first: int, out: Path, packed: Path = PACKED) -> None:
@@ -85,10 +201,10 @@ def send(first: int, out: Path, packed: Path = PACKED) -> None:
     index = json.loads((packed / INDEX).read_text())
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(packed / INDEX, out / INDEX)
-    chosen = index["parts"][first:first + PARTS_PER_CALL]
+    chosen = _all_parts(index)[first:first + PARTS_PER_CALL]
     for name in chosen:
         shutil.copy2(packed / name, out / name)
-    left = index["parts"][first + PARTS_PER_CALL:]
+    left = _all_parts(index)[first + PARTS_PER_CALL:]
     print(f"sent parts {', '.join(chosen) or 'none'}; " +
           (f"next: --send {first + PARTS_PER_CALL} ({len(left)} left)" if left else "nothing is left"))
 
@@ -139,6 +255,7 @@ def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: s
     """Features once, then every method at once, each stopping in time to ship; what shipped travels back."""
     started = time.time()
     pylib, env = _environment(dest)
+    unstage(dest)  # checkpoints a last lease brought back, carried again: those runs resume
     subprocess.run(_make(args, tokens, ""), env=env, check=False)  # SCALE_TRAIN empty: the features alone
     print(f"features: {time.time() - started:.0f} s after the start", flush=True)
     # Each run stops (export, checkpoint, ship) by the deadline less a margin for its last export and ship.
@@ -179,22 +296,23 @@ def run_parallel(dest: Path, methods: list[str], out: Path, args: str, tokens: s
         sys.exit("no method shipped")
     sys.path.insert(0, str(pylib))
     index = _pack(done, PACKED, shipped_only=True)
-    print(f"{len(index['parts'])} parts of the drafters' archive in {PACKED}")
+    index = _add_resume(index, methods, PACKED)
+    print(f"{len(index['parts'])} parts of the drafters' archive in {PACKED}; "
+          f"{len(_all_parts(index)) - len(index['parts'])} of unfinished runs' checkpoints "
+          f"({', '.join(index['resume']) or 'none'})", flush=True)
     send(0, out)
 
 
-def merge(folders: list[Path], checkpoints: Path | None = None) -> None:
+def merge(folders: list[Path], checkpoints: Path | None = None, training_root: Path | None = None) -> None:
     import methods as shipped_root
     from bench.core.drafters import SHIPPED_BUDGET_BYTES, shipped_bytes, user_dir
 
     index = json.loads(next(f / INDEX for f in folders if (f / INDEX).exists()).read_text())
-    found = {p.name: p for f in folders for p in f.glob("drafters.part*")}
+    found = {p.name: p for f in folders for p in f.glob("*.part*")}
     missing = [name for name in index["parts"] if name not in found]
     if missing:
         sys.exit(f"parts missing: {', '.join(missing)} (fetch them with more --send calls)")
-    blob = b"".join(found[name].read_bytes() for name in index["parts"])
-    if hashlib.sha256(blob).hexdigest() != index["sha256"]:
-        sys.exit("the parts do not make the archive the device machine wrote")
+    blob = _joined(found, index)
     checkpoints = checkpoints or Path(shipped_root.__file__).parent / "checkpoints"
     staging = user_dir(index["target"], ".gpu_scale_merge")
     shutil.rmtree(staging, ignore_errors=True)
@@ -219,6 +337,13 @@ def merge(folders: list[Path], checkpoints: Path | None = None) -> None:
     print(f"every shipped drafter: {total / 1e6:.1f} MB (budget {SHIPPED_BUDGET_BYTES / 1e6:.0f} MB)")
     if total > SHIPPED_BUDGET_BYTES:
         sys.exit("over the shipped-drafter budget")
+    for method, entry in index.get("resume", {}).items():  # unfinished runs: the same command resumes them
+        run_blob = _joined(found, entry)
+        if run_blob is None:
+            print(f"{method}: not every part of its checkpoint came back (more --send calls); not restored")
+            continue
+        (training_root or SCALE_OUT).mkdir(parents=True, exist_ok=True)
+        _untar_folders(run_blob, [method], training_root or SCALE_OUT)
 
 
 def main() -> None:
@@ -231,16 +356,22 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="SCALE_TOKENS (smaller only to try the script out)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="with --run: every method at once, shipped within this many minutes of the start")
+    parser.add_argument("--stage", metavar="METHODS",
+                        help="here: these runs' checkpoints (SCALE_OUT) into --run's folder, for the next lease")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.stage and not args.run:
+        parser.error("--stage needs --run (the folder the calls carry)")
     if args.run and args.minutes:
         run_parallel(args.run, args.methods.split(), args.out, args.args, args.tokens, args.minutes)
-    elif args.run:
+    elif args.run and not args.stage:
         run(args.run, args.methods.split(), args.out, args.args, args.tokens)
     elif args.send is not None:
         send(args.send, args.out)
     elif args.merge:
         merge(args.merge)
+    elif args.stage and args.run:
+        stage(args.stage.split(), args.run)
     else:
         parser.error("one of --run, --send, --merge")
 

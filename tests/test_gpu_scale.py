@@ -87,3 +87,56 @@ def test_features_go_to_memory_only_where_it_holds_them(tmp_path: Path) -> None:
     assert gpu_scale._cache_root(tmp_path, needed=1) == tmp_path / "bench-cache"
     assert gpu_scale._cache_root(tmp_path, needed=2**62) == Path("/tmp/bench-cache")
     assert gpu_scale._cache_root(tmp_path / "absent", needed=1) == Path("/tmp/bench-cache")
+
+
+def _training_folder(root: Path, method: str, steps: int, max_steps: int) -> Path:
+    folder = root / method
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "checkpoint" / "state.json").write_text(json.dumps({"step": steps}))
+    (folder / "checkpoint" / "optimizer.safetensors").write_bytes(bytes(range(256)) * 20)
+    (folder / "drafter.json").write_text(json.dumps({"training": {"steps": steps, "max_steps": max_steps}}))
+    (folder / ".train.lock").write_text("1")
+    return folder
+
+
+def test_unfinished_runs_come_back_with_their_checkpoints_and_travel_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease ends with runs unfinished: after the drafters, their folders come back in more parts;
+    merged here they sit where the same command resumes them, and staged they travel to the next
+    lease, one folder a call, and land there byte for byte."""
+    monkeypatch.setattr(gpu_scale, "PART_BYTES", 6000)  # tar pads to 10 KiB: two parts an archive
+    monkeypatch.setattr(gpu_scale, "PARTS_PER_CALL", 2)
+    monkeypatch.setattr(gpu_scale, "STAGE_BYTES", 3000)
+    device, here = tmp_path / "device", tmp_path / "here"
+    shipped = device / "checkpoints" / "smollm2-135m" / "mtp"
+    shipped.mkdir(parents=True)
+    (shipped / "model.safetensors").write_bytes(b"m" * 100)
+    _training_folder(device / "scale", "mtp", 553, 2119)
+    _training_folder(device / "scale", "dspark", 1158, 1158)  # finished: nothing to resume
+    packed = device / "packed"
+    index = gpu_scale._pack(["mtp"], packed, device / "checkpoints", shipped_only=True)
+    index = gpu_scale._add_resume(index, ["mtp", "dspark"], packed, device / "scale")
+    assert list(index["resume"]) == ["mtp"] and gpu_scale._all_parts(index)[0] == "drafters.part00"
+    calls = []
+    assert len(index["parts"]) == 2
+    for first in range(0, len(gpu_scale._all_parts(index)), 2):
+        calls.append(tmp_path / f"call{first}")
+        gpu_scale.send(first, calls[-1], packed)
+    ours = _training_folder(here / "scale", "mtp", 105, 4632)  # a CPU run of the same method here
+    gpu_scale.merge(calls[:1], here / "checkpoints", here / "scale")  # the drafters alone: nothing restored
+    assert _tree(ours)["checkpoint/state.json"] == b'{"step": 105}'
+    gpu_scale.merge(calls, here / "checkpoints", here / "scale")
+    came = {k: v for k, v in _tree(device / "scale" / "mtp").items() if k != ".train.lock"}
+    assert _tree(here / "scale" / "mtp") == came
+    assert [p.name.split(".")[0] for p in (here / "scale").iterdir()] == ["mtp", "mtp"]  # ours kept aside
+    # the next lease
+    carried = tmp_path / "gpu_distill"
+    gpu_scale.stage(["mtp"], carried, here / "scale")
+    staged = json.loads((carried / "resume.json").read_text())
+    assert len(staged["folders"]) >= 2 and all((carried / f / "part").stat().st_size <= 3000 for f in staged["folders"])
+    (carried / staged["folders"][-1] / "part").rename(tmp_path / "left-behind")
+    with pytest.raises(SystemExit, match="carry every one"):
+        gpu_scale.unstage(carried, tmp_path / "lease2")
+    (tmp_path / "left-behind").rename(carried / staged["folders"][-1] / "part")
+    gpu_scale.unstage(carried, tmp_path / "lease2")
+    assert _tree(tmp_path / "lease2" / "mtp") == came

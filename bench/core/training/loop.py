@@ -11,7 +11,7 @@ Checkpoint folder layout (out_dir/checkpoint/, replaced atomically):
   params.safetensors     trainable parameters (fp32, by name)
   optimizer.safetensors  optimizer state tensors, keyed "<param name>.<state key>"
   state.json             step, data cursor, elapsed time, settings
-  rng.safetensors        torch CPU RNG state
+  rng.safetensors        torch CPU RNG state (and CUDA's, for a CUDA run)
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.
     save_file({n: p.detach().float().cpu().contiguous() for n, p in named}, str(tmp / "params.safetensors"))
     tensors, extra = _optimizer_tensors(optimizer, names)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
-    save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # a CUDA run draws there too (DFlash's anchors)
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
         "step": step, "cursor": cursor, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "optimizer": extra,
         "settings": settings,
@@ -147,7 +150,7 @@ def load_checkpoint(folder: Path, objective: Objective, optimizer: torch.optim.O
         state = json.loads((folder / "state.json").read_text())
         params = load_file(str(folder / "params.safetensors"))
         optim = load_file(str(folder / "optimizer.safetensors"))
-        rng = load_file(str(folder / "rng.safetensors"))["cpu"]
+        rng = load_file(str(folder / "rng.safetensors"))
     except Exception as exc:
         raise BenchError(f"cannot resume from {folder}: {exc}") from None
     named = objective.named_parameters()
@@ -158,7 +161,9 @@ def load_checkpoint(folder: Path, objective: Objective, optimizer: torch.optim.O
         for name, p in named:
             p.copy_(params[name])
     _load_optimizer(optimizer, [n for n, _ in named], optim, state["optimizer"])
-    torch.set_rng_state(rng)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
     return state
 
 
