@@ -220,8 +220,10 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     heldout = heldout_of(json.loads(manifest.read_text())) if manifest.exists() else {}
     if "predicted_tau" in heldout:
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
+        rounds = (f" (decode rounds simulated on the held-out replies: tau {heldout['rounds_tau']:.2f}, "
+                  f"first draft accepted {heldout['rounds_a1']:.2f})" if "rounds_tau" in heldout else "")
         click.echo(f"held out: top-1 agreement by draft position {agreement}; "
-                   f"predicted tau {heldout['predicted_tau']:.2f}")
+                   f"predicted tau {heldout['predicted_tau']:.2f}{rounds}")
     if summary.get("stopped"):  # exit 3: unfinished, so `bench train ... && bench ship` does not ship it
         click.echo(f"unfinished: stopped by --stop-after {stop_after:g} at step {summary['steps']} of "
                    f"{summary['max_steps']}; the same command resumes it", err=True)

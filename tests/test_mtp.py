@@ -187,6 +187,28 @@ def test_parallel_training_rows_match_decode_heads(default_target, reference):
         assert torch.allclose(drafter.outputs[k - 1], student[k - 1, s + k - 1], atol=1e-4), k
 
 
+def test_simulated_rounds_replay_the_decode_loop(default_target, prompt, one_thread):
+    """Greedy, every accepted draft is the target's own token, so the rounds simulated from
+    teacher-forced chains on the loop's output (what `bench train` reports as rounds_tau on
+    held-out replies) accept what the loop accepted: the shipped drafter, fp32 throughout."""
+    from methods.mtp.store import find_folder, load_model
+
+    target, L = default_target, default_target.engine.num_layers
+    model, manifest = load_model(target, find_folder(target, "sequential", None), "sequential")
+    model = model.float()
+    result = decode(target.engine, make_drafter(target, model, manifest, depth=4), prompt,
+                    DecodeConfig(max_new_tokens=64))
+    accepted = result.accept_lengths
+    assert sum(accepted) > 0
+    tokens = prompt + result.tokens
+    features = _features(target, tokens, (L,))
+    features["loss_mask"][:] = False
+    features["loss_mask"][len(prompt):-1] = True  # rounds start once the prefill's reply token is known
+    settings = MtpSettings.parse(dict(manifest["mtp_settings"], head_dtype="float32"))
+    counts = MtpObjective(target, model, settings, features).round_counts([(0, 0, len(tokens))], 4)
+    assert counts == (len(accepted), sum(accepted), sum(a > 0 for a in accepted))
+
+
 # ---------------------------------------------------------------- decoding
 @pytest.mark.parametrize("variant,depth,dtype", [
     ("sequential", 4, torch.float32), ("sequential", 1, torch.bfloat16),

@@ -303,6 +303,23 @@ def test_heldout_prediction_is_the_chain_model():
     assert heldout_prediction([])["predicted_tau"] == 1.0
 
 
+def test_simulated_rounds_start_after_each_bonus_token() -> None:
+    from bench.core.training import rounds_prediction, simulated_rounds
+
+    # two steps over six rows; a round at s accepts the leading run of hit[0][s], hit[1][s]
+    hit = [[True, False, True, True, False, True],
+           [True, True, False, True, True, True]]
+    # s=0: run 2, next s=3; s=3: run 2, next s=6
+    assert simulated_rounds(hit, [True] * 6) == (2, 4, 2)
+    # a round cannot start on row 0 (not a reply row): s=1: run 0, s=2: run 1, s=4: run 0, s=5: run 2
+    assert simulated_rounds(hit, [False] + [True] * 5) == (4, 3, 2)
+    # right on half the rows either way, but which half decides where rounds start
+    assert rounds_prediction(*simulated_rounds([[True, False] * 3], [True] * 6)) == {
+        "rounds": 3, "rounds_tau": 2.0, "rounds_a1": 1.0}
+    assert rounds_prediction(*simulated_rounds([[False, True] * 3], [True] * 6)) == {
+        "rounds": 4, "rounds_tau": 1.75, "rounds_a1": 0.75}
+
+
 def test_milestones_fire_once_across_a_resume(tmp_path):
     """on_milestone runs once per milestone of trained tokens, also when the run stops
     between milestones and resumes; the count is kept in the checkpoint."""

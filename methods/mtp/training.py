@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench.core.drafters import WEIGHTS, read_manifest, user_dir, write_drafter
@@ -238,9 +239,37 @@ class MtpObjective:
             if total[0, 3] >= self.settings.eval_rows:
                 break
         rows = total[:, 3].clamp(min=1)
-        return {"acc": [round(float(v), 4) for v in total[:, 1] / rows],
-                "accept": [round(float(v), 4) for v in total[:, 2] / rows],
-                "kl": [round(float(v), 4) for v in total[:, 0] / rows], "rows": int(total[0, 3])}
+        found = {"acc": [round(float(v), 4) for v in total[:, 1] / rows],
+                 "accept": [round(float(v), 4) for v in total[:, 2] / rows],
+                 "kl": [round(float(v), 4) for v in total[:, 0] / rows], "rows": int(total[0, 3])}
+        if self.variant != "sequential":
+            return found
+        from bench.core.training import rounds_prediction
+
+        return dict(found, **rounds_prediction(*self.round_counts(windows, steps)))
+
+    @torch.no_grad()
+    def round_counts(self, windows: list[tuple[int, int, int]], steps: int) -> tuple[int, int, int]:
+        """Greedy decode rounds simulated on the windows (bench.core.training.simulated_rounds: rounds,
+        accepted drafts, rounds whose first draft was accepted); the chain a round starts at row s
+        drafts its k-th token at row s+k."""
+        from bench.core.training import simulated_rounds
+
+        head = self.lm_head.to(self.head_dtype)
+        total, seen = [0, 0, 0], 0
+        for window in windows:
+            student, teacher, valid = self.pairs([window], steps)
+            best = F.linear(teacher.to(self.head_dtype), head).argmax(-1)
+            ok = torch.stack([F.linear(student[k].to(self.head_dtype), head).argmax(-1) == best
+                              for k in range(steps)]) & valid
+            n, flags = ok.shape[1], ok.tolist()
+            hit = [[k + s < n and flags[k][k + s] for s in range(n)] for k in range(steps)]
+            counts = simulated_rounds(hit, valid[0].tolist())
+            total = [a + b for a, b in zip(total, counts)]
+            seen += int(valid[0].sum())
+            if seen >= self.settings.eval_rows:
+                break
+        return tuple(total)
 
     def export(self, folder: Path, manifest: dict) -> None:
         write_drafter(folder, {n: p.to(torch.bfloat16) for n, p in self.model.named_parameters()}, manifest)

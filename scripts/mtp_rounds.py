@@ -1,0 +1,121 @@
+"""Where MTP's held-out prediction and its measured τ part: greedy decode rounds simulated from
+teacher-forced drafts (bench.core.training.simulated_rounds) on the held-out replies and on the
+grid's own turns, beside the rounds the decode loop recorded for those turns.
+
+For a greedy chain drafter the simulation on a recorded turn replays the loop exactly: every
+accepted draft is the target's own token, so the drafter's inputs are the teacher-forced ones
+(a difference is numerics: the loop's k-token verify passes against one prefill here). What
+remains between the held-out numbers and the grid is then the held-out replies themselves
+(ShareGPT prompts) against the grid's prompts, and where rounds start.
+
+    python -m scripts.mtp_rounds --tag grid --task mtbench --task humaneval --task gsm8k --task specbench
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import torch
+
+from bench.core.training import heldout_prediction, rounds_prediction
+
+
+def _turn_features(target, prompt: list[int], reply: list[int]) -> tuple[dict, tuple[int, int, int]]:
+    """One recorded turn as a features window: rounds may start once the first reply token (the
+    prefill's) is known."""
+    tap = target.engine.num_layers
+    tokens = torch.tensor(prompt + reply)
+    hidden = target.engine.prefill(tokens, taps=(tap,), logits_rows="none").hidden[tap].float()
+    mask = torch.zeros(len(tokens), dtype=torch.bool)
+    mask[len(prompt): len(tokens) - 1] = True  # row r drafts token r+2: from the second reply token on
+    return {"tokens": tokens, "loss_mask": mask, f"h{tap}": hidden}, (0, 0, len(tokens))
+
+
+def _recorded_turns(records: Path) -> dict[tuple[str, int], dict]:
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    return {(r["question_id"], r["turn"]): r for r in rows if r.get("type") == "turn"}
+
+
+def task_rounds(target, model, settings, task: str, records: Path, depth: int) -> dict:
+    from bench.core.target import chat_prompt
+    from bench.records import prompt_hash
+    from methods.mtp.training import MtpObjective
+    from tasks import load_task
+
+    turns = _recorded_turns(records)
+    questions = {q.question_id: q for q in load_task(task, None)}
+    simulated, measured = [0, 0, 0], [0, 0, 0]
+    for (question_id, turn), record in sorted(turns.items()):
+        messages = []
+        for t in range(1, turn + 1):
+            messages.append({"role": "user", "content": questions[question_id].turns[t - 1]})
+            if t < turn:
+                messages.append({"role": "assistant", "content": turns[(question_id, t)]["text"]})
+        prompt = chat_prompt(target.tokenizer, messages)
+        if prompt_hash(prompt) != record["prompt_hash"]:
+            raise click.ClickException(f"{records}: turn {question_id}/{turn} has another prompt than the task's")
+        features, window = _turn_features(target, prompt, record["tokens"])
+        objective = MtpObjective(target, model, settings, features)
+        objective.settings.eval_rows = 10**9
+        counts = objective.round_counts([window], depth)
+        simulated = [a + b for a, b in zip(simulated, counts)]
+        accepted = record["accept_lengths"]
+        measured = [a + b for a, b in zip(measured, (len(accepted), sum(accepted), sum(a > 0 for a in accepted)))]
+    return {"turns": len(turns), "records": str(records), "simulated": rounds_prediction(*simulated),
+            "measured": rounds_prediction(*measured)}
+
+
+@click.command()
+@click.option("--tag", default="grid", show_default=True, help="the grid series whose mtp records are replayed")
+@click.option("--task", "tasks", multiple=True, default=("mtbench",), show_default=True)
+@click.option("--out", default="results/smollm2-135m/rounds", show_default=True)
+def main(tag: str, tasks: tuple[str, ...], out: str) -> None:
+    from bench.core.provenance import provenance, timestamp
+    from bench.core.target import load_target, resolve_dtype
+    from bench.core.training.features import ensure_features
+    from bench.records import split_revision
+    from methods.mtp.store import find_folder, load_model
+    from methods.mtp.training import MtpObjective, MtpSettings, windows_of
+
+    torch.set_num_threads(1)
+    target = load_target(None, "cpu", resolve_dtype("auto", "cpu"))  # the dtype the features were extracted in
+    folder = find_folder(target, "sequential", None)
+    model, manifest = load_model(target, folder, "sequential")
+    model = model.float()
+    settings = MtpSettings.parse(dict(manifest["mtp_settings"]))
+    depth = settings.eval_steps
+    tap = target.engine.num_layers
+    store = ensure_features(target, (tap,), settings.feature_data(None), progress=False)
+    features = store.load((tap,))
+    offsets = features["offsets"].tolist()
+    held = [w for w in windows_of(offsets[len(offsets) - settings.holdout - 1:], 512)
+            if bool(features["loss_mask"][w[1] + 1: w[2]].any())]
+    settings.eval_rows = 10**9  # every held-out row
+    heldout = MtpObjective(target, model, settings, features).evaluate(held)
+    result = {"what": "MTP: held-out agreement, decode rounds simulated on the held-out replies and on the grid's "
+                      "turns, and the rounds the decode loop recorded for those turns (greedy)",
+              "drafter": str(folder), "weights_sha1": manifest.get("weights_sha1"), "depth": depth,
+              "heldout": dict(heldout, **heldout_prediction(heldout["acc"])), "tasks": {}}
+    for task in tasks:
+        found = sorted(Path("results", target.name, task).glob(f"mtp-{tag}.jsonl")) + \
+            sorted(Path("results", target.name, task).glob(f"mtp-{tag}.r*.jsonl"))
+        if not found:
+            raise click.ClickException(f"no mtp records of tag '{tag}' for {task}")
+        records = max(found, key=lambda p: split_revision(p.name[len("mtp-"):-len(".jsonl")])[1])
+        result["tasks"][task] = task_rounds(target, model, settings, task, records, depth)
+        simulated, measured = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
+        click.echo(f"{task}: simulated tau {simulated['rounds_tau']:.3f} (a_1 {simulated['rounds_a1']:.3f}), "
+                   f"recorded {measured['rounds_tau']:.3f} ({measured['rounds_a1']:.3f})")
+    result.update(provenance=provenance("cpu"), created_at=timestamp())
+    path = Path(out) / f"mtp-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    held_rounds = result["heldout"]
+    click.echo(f"held out: product of agreements tau {held_rounds['predicted_tau']:.3f}; simulated rounds tau "
+               f"{held_rounds['rounds_tau']:.3f} (a_1 {held_rounds['rounds_a1']:.3f}) -> {path}")
+
+
+if __name__ == "__main__":
+    main()
