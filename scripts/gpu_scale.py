@@ -84,13 +84,12 @@ def _pack(methods: list[str], out_dir: Path, checkpoints: Path | None = None, sh
     return index
 
 
-def _split(blob: bytes, out_dir: Path, stem: str, part_bytes: int | None = None) -> dict:
+def _split(blob: bytes, out_dir: Path, stem: str) -> dict:
     """`blob` as numbered files stem.part00, stem.part01, ... in out_dir; their names and digest."""
-    size = part_bytes or PART_BYTES
     names = []
-    for i in range(0, len(blob), size):
-        names.append(f"{stem}.part{i // size:02d}")
-        (out_dir / names[-1]).write_bytes(blob[i:i + size])
+    for i in range(0, len(blob), PART_BYTES):
+        names.append(f"{stem}.part{i // PART_BYTES:02d}")
+        (out_dir / names[-1]).write_bytes(blob[i:i + PART_BYTES])
     return {"parts": names, "sha256": hashlib.sha256(blob).hexdigest()}
 
 
@@ -194,6 +193,8 @@ def unstage(dest: Path, training_root: Path | None = None) -> None:
         sys.exit("the staged parts do not make the archive staged here")
     (training_root or SCALE_OUT).mkdir(parents=True, exist_ok=True)
     _untar_folders(blob, staged["methods"], training_root or SCALE_OUT)
+    # Once: a later call on the same warm machine must not put these back over newer checkpoints.
+    (dest / "resume.json").rename(dest / "resume.unstaged.json")
 
 
 def send(first: int, out: Path, packed: Path = PACKED) -> None:

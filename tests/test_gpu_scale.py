@@ -140,3 +140,6 @@ def test_unfinished_runs_come_back_with_their_checkpoints_and_travel_again(
     (tmp_path / "left-behind").rename(carried / staged["folders"][-1] / "part")
     gpu_scale.unstage(carried, tmp_path / "lease2")
     assert _tree(tmp_path / "lease2" / "mtp") == came
+    (tmp_path / "lease2" / "mtp" / "checkpoint" / "state.json").write_text('{"step": 900}')  # trained on
+    gpu_scale.unstage(carried, tmp_path / "lease2")  # the lease's next call: nothing put back
+    assert _tree(tmp_path / "lease2" / "mtp")["checkpoint/state.json"] == b'{"step": 900}'
