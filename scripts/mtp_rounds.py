@@ -33,6 +33,17 @@ def _turn_features(target, prompt: list[int], reply: list[int]) -> tuple[dict, t
     return {"tokens": tokens, "loss_mask": mask, f"h{tap}": hidden}, (0, 0, len(tokens))
 
 
+def first_reply_tokens(mask: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+    """The loss mask from `start` on with each reply cut to its first `keep` tokens (the grid's
+    turns are a reply's first max_new_tokens)."""
+    cut, run = mask.clone(), 0
+    for i, on in enumerate(mask[start:].tolist(), start=start):
+        run = run + 1 if on else 0
+        if run > keep:
+            cut[i] = False
+    return cut
+
+
 def _recorded_turns(records: Path) -> dict[tuple[str, int], dict]:
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     return {(r["question_id"], r["turn"]): r for r in rows if r.get("type") == "turn"}
@@ -70,8 +81,10 @@ def task_rounds(target, model, settings, task: str, records: Path, depth: int) -
 @click.command()
 @click.option("--tag", default="grid", show_default=True, help="the grid series whose mtp records are replayed")
 @click.option("--task", "tasks", multiple=True, default=("mtbench",), show_default=True)
+@click.option("--reply-tokens", default=128, show_default=True,
+              help="also the held-out replies cut to their first N tokens, as the grid's turns are")
 @click.option("--out", default="results/smollm2-135m/rounds", show_default=True)
-def main(tag: str, tasks: tuple[str, ...], out: str) -> None:
+def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
     from bench.core.provenance import provenance, timestamp
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.features import ensure_features
@@ -94,10 +107,14 @@ def main(tag: str, tasks: tuple[str, ...], out: str) -> None:
             if bool(features["loss_mask"][w[1] + 1: w[2]].any())]
     settings.eval_rows = 10**9  # every held-out row
     heldout = MtpObjective(target, model, settings, features).evaluate(held)
+    cut = dict(features, loss_mask=first_reply_tokens(features["loss_mask"], held[0][1], reply_tokens))
+    first = MtpObjective(target, model, settings, cut).evaluate(
+        [w for w in held if bool(cut["loss_mask"][w[1] + 1: w[2]].any())])
     result = {"what": "MTP: held-out agreement, decode rounds simulated on the held-out replies and on the grid's "
                       "turns, and the rounds the decode loop recorded for those turns (greedy)",
               "drafter": str(folder), "weights_sha1": manifest.get("weights_sha1"), "depth": depth,
-              "heldout": dict(heldout, **heldout_prediction(heldout["acc"])), "tasks": {}}
+              "heldout": dict(heldout, **heldout_prediction(heldout["acc"])),
+              f"heldout_first_{reply_tokens}": dict(first, **heldout_prediction(first["acc"])), "tasks": {}}
     for task in tasks:
         found = sorted(Path("results", target.name, task).glob(f"mtp-{tag}.jsonl")) + \
             sorted(Path("results", target.name, task).glob(f"mtp-{tag}.r*.jsonl"))
@@ -112,9 +129,11 @@ def main(tag: str, tasks: tuple[str, ...], out: str) -> None:
     path = Path(out) / f"mtp-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    held_rounds = result["heldout"]
-    click.echo(f"held out: product of agreements tau {held_rounds['predicted_tau']:.3f}; simulated rounds tau "
-               f"{held_rounds['rounds_tau']:.3f} (a_1 {held_rounds['rounds_a1']:.3f}) -> {path}")
+    for key in ("heldout", f"heldout_first_{reply_tokens}"):
+        held_rounds = result[key]
+        click.echo(f"{key}: product of agreements tau {held_rounds['predicted_tau']:.3f}; simulated rounds tau "
+                   f"{held_rounds['rounds_tau']:.3f} (a_1 {held_rounds['rounds_a1']:.3f})")
+    click.echo(f"-> {path}")
 
 
 if __name__ == "__main__":

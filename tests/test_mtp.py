@@ -457,3 +457,11 @@ def test_bad_training_options(tiny_target, tmp_path):
                              ({"fuse_order": "sideways"}, "fuse_order 'sideways' unknown")]:
         with pytest.raises(BenchError, match=message):
             mtp.train(tiny_target, _settings(tmp_path / "x", None, **options))
+
+
+def test_first_reply_tokens_cuts_each_reply_from_start():
+    from scripts.mtp_rounds import first_reply_tokens
+
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
+    assert first_reply_tokens(mask, 0, 2).int().tolist() == [1, 1, 0, 0, 1, 1, 0, 0, 1]
+    assert first_reply_tokens(mask, 4, 1).int().tolist() == [1, 1, 1, 0, 1, 0, 0, 0, 1]  # rows before start kept
