@@ -68,9 +68,7 @@ def task_rounds(target, model, settings, task: str, records: Path, depth: int) -
         if prompt_hash(prompt) != record["prompt_hash"]:
             raise click.ClickException(f"{records}: turn {question_id}/{turn} has another prompt than the task's")
         features, window = _turn_features(target, prompt, record["tokens"])
-        objective = MtpObjective(target, model, settings, features)
-        objective.settings.eval_rows = 10**9
-        counts = objective.round_counts([window], depth)
+        counts = MtpObjective(target, model, settings, features).round_counts([window], depth)
         simulated = [a + b for a, b in zip(simulated, counts)]
         accepted = record["accept_lengths"]
         measured = [a + b for a, b in zip(measured, (len(accepted), sum(accepted), sum(a > 0 for a in accepted)))]
