@@ -52,6 +52,39 @@ def test_features_equal_a_fresh_forward_and_resume(default_target, cache, one_th
         extended.load((9,))
 
 
+def test_an_interruption_between_syncs_redoes_only_the_shards_not_yet_made_durable(
+        default_target, cache, one_thread, monkeypatch):
+    """Shards are fsync'd and listed in the index in groups (SYNC_EVERY_S): killed mid-group,
+    the index names only the durable shards, the rows appended after them are cut off, and the
+    rerun extracts the rest to the same bits."""
+    data = FeatureData(max_tokens=2500, max_len=256)
+    whole = ensure_features(default_target, (30,), data, progress=False)
+    expected = {k: v.clone() for k, v in whole.load((30,)).items()}
+    assert len(whole.index["shards"]) >= 4
+    for path in whole.folder.iterdir():
+        path.unlink()
+    real, calls = features_module._extract_shard, []
+
+    def dies_on_the_fourth(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    clock = iter(range(0, 10**6, 20))  # each shard "takes" 20 s: a sync after every second shard
+    monkeypatch.setattr(features_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(features_module, "_extract_shard", dies_on_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_features(default_target, (30,), data, progress=False)
+    index = json.loads((whole.folder / "index.json").read_text())
+    assert len(index["shards"]) == 2 and not index["done"]  # the third shard's rows were written, not listed
+    listed_bytes = 2 * 576 * sum(s["tokens"] for s in index["shards"])
+    assert features_module.tap_file(whole.folder, 30).stat().st_size > listed_bytes
+    monkeypatch.setattr(features_module, "_extract_shard", real)
+    resumed = ensure_features(default_target, (30,), data, progress=False).load((30,))
+    assert torch.equal(resumed["tokens"], expected["tokens"]) and torch.equal(resumed["h30"], expected["h30"])
+
+
 def test_dropped_taps_free_the_disk_and_come_back_on_demand(default_target, cache, one_thread):
     """`bench features --drop-tap`: the layer's file is deleted; a run asking for it again
     re-extracts it with the same bits; bad input is one line, exit 2."""

@@ -53,6 +53,10 @@ from bench.core.target import cache_dir
 
 FORMAT = "spec-bench-features/1"
 SHARD_SEQUENCES = 64
+# Finished shards are made durable (tap files fsync'd, then the index names them) at most this
+# often: an fsync per shard held a GPU's extraction to the disk's synchronous write rate, while
+# a CPU shard takes longer than this anyway. A shard not yet in the index is redone on resume.
+SYNC_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,13 @@ def tap_file(folder: Path, tap: int) -> Path:
 def _append_rows(path: Path, rows: Tensor) -> None:
     with open(path, "ab") as handle:
         handle.write(rows.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
-        handle.flush()
-        os.fsync(handle.fileno())
+
+
+def _sync(paths: list[Path]) -> None:
+    """Put appended rows on the disk before an index that counts them is written."""
+    for path in paths:
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def _cut_to(path: Path, tokens: int, hidden: int) -> None:
@@ -294,6 +303,7 @@ def _to_flat(folder: Path, index: dict, progress: bool) -> None:
                 rows = handle.get_tensor(f"h{tap}")
                 index["hidden_size"] = int(rows.shape[-1])
                 _append_rows(tap_file(folder, tap), rows)
+    _sync([tap_file(folder, tap) for tap in index["taps"]])
     index["flat"] = True
     write_json(folder / "index.json", index)
     for shard in index["shards"]:  # drop the states from the shards (the tap files hold them now)
@@ -334,6 +344,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             extra = _extract_shard(engine, _shard_sequences(folder / shard["file"]), new_taps)
             for tap in new_taps:
                 _append_rows(tap_file(folder, tap), extra[f"h{tap}"])
+        _sync([tap_file(folder, tap) for tap in new_taps])
         index["taps"] = sorted(set(index["taps"]) | set(new_taps))
         write_json(index_path, index)
     largest = max(index["data"]["max_tokens"], data.max_tokens)  # "done" means extracted to this
@@ -354,6 +365,21 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         stream = _conversations(target, data, skip, read)  # resume after the last full shard's conversations
         bar = tqdm(total=data.max_tokens, initial=done_tokens, desc="extracting target features", unit="tok",
                    disable=not progress)
+        pending: list[dict] = []  # shards written but not yet durable (not in the index)
+        read_after: dict | None = None
+        synced = time.monotonic()
+
+        def commit() -> None:
+            began = time.perf_counter()
+            _sync([tap_file(folder, tap) for tap in all_taps])
+            if pending:  # the wait for the disk counts as the last shard's writing
+                pending[-1]["seconds"] = round(pending[-1]["seconds"] + time.perf_counter() - began, 2)
+            index["shards"].extend(pending)
+            pending.clear()
+            if read_after is not None:  # the distilled rows read so far, per shard (JSON keys are strings)
+                index["distilled_read"] = {str(k): v for k, v in read_after.items()}
+            write_json(index_path, index)
+
         while done_tokens < data.max_tokens:
             batch = []
             while len(batch) < SHARD_SEQUENCES and done_tokens + sum(len(t) for t, _, _ in batch) < data.max_tokens:
@@ -373,18 +399,20 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
             passed = time.perf_counter() - began
             for tap in all_taps:  # the states first: a shard counts once the index lists it
                 _append_rows(tap_file(folder, tap), shard.pop(f"h{tap}"))
-            name = f"shard_{len(index['shards']):05d}.safetensors"
+            name = f"shard_{len(index['shards']) + len(pending):05d}.safetensors"
             _save_shard(folder / name, shard)
             tokens = int(shard["tokens"].numel())
-            index["shards"].append({"file": name, "sequences": len(batch), "tokens": tokens,
-                                    "reply_tokens": int(shard["loss_mask"].sum()),
-                                    "seconds": round(time.perf_counter() - began, 2),  # the pass and the writes
-                                    "pass_seconds": round(passed, 2)})
-            if batch[-1][2] is not None:  # the distilled rows read so far, per shard (JSON keys are strings)
-                index["distilled_read"] = {str(k): v for k, v in batch[-1][2].items()}
-            write_json(index_path, index)
+            pending.append({"file": name, "sequences": len(batch), "tokens": tokens,
+                            "reply_tokens": int(shard["loss_mask"].sum()),
+                            "seconds": round(time.perf_counter() - began, 2),  # the pass and the writes
+                            "pass_seconds": round(passed, 2)})
+            read_after = batch[-1][2]
+            if time.monotonic() - synced >= SYNC_EVERY_S:
+                commit()
+                synced = time.monotonic()
             done_tokens += tokens
             bar.update(tokens)
+        commit()
         bar.close()
         if data.max_tokens >= largest or index.get("exhausted"):  # a smaller run leaves a growth unfinished
             index["done"] = True
