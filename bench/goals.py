@@ -102,6 +102,18 @@ def _to_goal(fit: pd.DataFrame | None, method: str, task: str) -> str:
             f"({row['tau_per_10x']:+.2f} τ per tenfold data, fitted up to {_tokens(row['largest_tokens'])})")
 
 
+OUT_OF_REACH = "out of reach at these settings"
+
+
+def _ceiling(cell: pd.Series, goal: float) -> str:
+    """Where the default settings' drafts were too shallow for the goal even if all were accepted."""
+    ceiling = cell.get("tau_ceiling", math.nan)
+    if pd.isna(ceiling) or ceiling >= goal:
+        return ""
+    return (f"; {OUT_OF_REACH}: its drafts were {ceiling - 1:.2f} deep on average, so τ ≤ "
+            f"{ceiling:.2f} with every draft accepted, whatever the drafter")
+
+
 def _heldout_top1(row: pd.Series) -> tuple[float, str] | None:
     """Draft position 0's held-out top-1 agreement, as the training of the drafter a run ran
     recorded it, and the folder it was read from. Where the run recorded its weights' digest,
@@ -204,8 +216,8 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
                 add(f"{method} τ ≥ {goal:g}", task, "-", None)
                 continue
             met = cell["tau"] >= goal
-            add(f"{method} τ ≥ {goal:g}", task, f"τ {cell['tau']:.2f}", met,
-                "" if met else f"short by {goal - cell['tau']:.2f}; {_to_goal(fit, method, task)}")
+            short = f"short by {goal - cell['tau']:.2f}; {_to_goal(fit, method, task)}{_ceiling(cell, goal)}"
+            add(f"{method} τ ≥ {goal:g}", task, f"τ {cell['tau']:.2f}", met, "" if met else short)
     for method, other, ratio, goal_tasks in TAU_AT_LEAST_OTHER:
         for task in tasks if "*" in goal_tasks else [t for t in goal_tasks if t in tasks]:
             mine, theirs = _cell(per_task, method, task), _cell(per_task, other, task)
@@ -257,6 +269,9 @@ def goals_summary(frame: pd.DataFrame) -> str:
         text = f"- {goal}: met on {len(met)} of {len(group)} {group['over'].iloc[0] if 'over' in group else 'tasks'}"
         if not missed.empty:
             text += "; missed on " + ", ".join(f"{r.task} ({r.measured})" for r in missed.itertuples())
+        shallow = missed[missed["note"].str.contains(OUT_OF_REACH, regex=False)] if "note" in missed else missed[:0]
+        if not shallow.empty:
+            text += f"; {OUT_OF_REACH} (drafts too shallow for it even if all were accepted) on {len(shallow)}"
         if not unmeasured.empty:
             text += "; not measured on " + ", ".join(unmeasured["task"])
         lines.append(text)

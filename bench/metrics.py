@@ -48,6 +48,13 @@ def tau(turns: list[dict]) -> float:
     return (sum(accepted) + len(accepted)) / len(accepted) if accepted else float("nan")
 
 
+def tau_ceiling(turns: list[dict]) -> float:
+    """The most τ the rounds could have reached, every draft accepted: 1 + the mean of each
+    round's deepest draft path. A drafter's quality moves τ only below it."""
+    proposed, _ = _rounds(turns)
+    return 1 + sum(proposed) / len(proposed) if proposed else float("nan")
+
+
 def acceptance_unconditional(turns: list[dict]) -> list[float]:
     proposed, accepted = _rounds(turns)
     depth = max(proposed, default=0)
@@ -202,6 +209,7 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
         "repeats": len({t.get("repeat", 1) for t in method}),
         "new_tokens": sum(new_tokens(t) for t in method),
         "tau": tau(method),
+        "tau_ceiling": tau_ceiling(method),
         "accept_uncond": acceptance_unconditional(method),
         "accept_cond": acceptance_conditional(method),
         "accept_hist": accept_histogram(method),

@@ -33,6 +33,12 @@ def test_tau_pools_rounds_not_turns():
     assert metrics.tau([long, short]) == pytest.approx(19 / 10)  # not the per-turn mean 1.5
 
 
+def test_tau_ceiling_is_one_plus_the_mean_draft_depth():
+    assert metrics.tau_ceiling(ROUNDS) == pytest.approx(1 + (3 + 3 + 3 + 3 + 2) / 5)  # every draft accepted
+    assert metrics.tau(ROUNDS) <= metrics.tau_ceiling(ROUNDS)
+    assert math.isnan(metrics.tau_ceiling([make_turn()]))
+
+
 def test_acceptance_unconditional():
     # u_i = #(n ≥ i) / #(proposed ≥ i)
     assert metrics.acceptance_unconditional(ROUNDS) == pytest.approx([4 / 5, 3 / 5, 1 / 4])

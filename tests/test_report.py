@@ -650,6 +650,15 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monk
         "fitted up to 1M)")
     assert status[("medusa τ ≥ 2", "mtbench")][0] == "met"
     assert status[("mtp τ ≥ 2", "mtbench")][2] == "short by 0.50; no scaling runs for it"
+    # drafts a round deep at most: τ cannot reach 2 whatever the drafter, and the note says so
+    shallow = goals_table(per_task.assign(tau=[1.3 if m == "mtp" else t for m, t in zip(per_task["method"],
+                                                                                          per_task["tau"])],
+                                          tau_ceiling=[1.97 if m == "mtp" else 5.0 for m in per_task["method"]]))
+    note = shallow.set_index(["goal", "task"]).loc[("mtp τ ≥ 2", "mtbench"), "note"]
+    assert note.endswith("out of reach at these settings: its drafts were 0.97 deep on average, so τ ≤ 1.97 "
+                         "with every draft accepted, whatever the drafter")
+    assert ("out of reach at these settings (drafts too shallow for it even if all were accepted) on 1"
+            in goals_summary(shallow))
     assert status[("dspark τ ≥ 1.1 × dflash τ", "mtbench")][:2] == ("met", "2.50 vs 2.20 (1.14x)")
     assert status[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("missed", "2.50 / 2.00 / 2.10")
     assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
