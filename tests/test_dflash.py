@@ -356,3 +356,39 @@ def test_block_ce_labels_are_the_data_tokens_or_the_target_distribution(default_
     assert losses["data"] != losses["target"]
     with pytest.raises(BenchError, match="labels must be"):
         train_block(default_target, tiny_training(1, "dflash-bad", labels="soft"), "dflash")
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
+    """loss_chunk_rows computes the loss over the scored slots a chunk at a time (each chunk's
+    logits recomputed in the backward): the same loss, metrics and gradients as all at once,
+    up to the order of the sums; with DSpark's Markov head, L1 and confidence terms too."""
+    from methods.dflash.training import DSPARK_DEFAULTS
+
+    model = random_model(default_target, block=4, markov=8 if dspark else 0, confidence=dspark, anchor=dspark,
+                         draft_vocab=None)
+    lm_head = default_target.engine.lm_head.float()[model.draft_to_target]
+    width, final = 24, default_target.config.num_hidden_layers
+    torch.manual_seed(0)
+    batch = {"tokens": torch.randint(0, 1000, (2, width)), "mask": torch.ones(2, width, dtype=torch.bool),
+             "lengths": torch.tensor([width, width - 5]),
+             **{f"h{t}": torch.randn(2, width, 576) for t in set(model.config.taps) | {final}}}
+    options = {k: v for k, v in DSPARK_DEFAULTS.items() if k in ("ce_weight", "l1_weight", "bce_weight")} \
+        if dspark else {}
+    results = []
+    for chunk in (0, 7):
+        objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, final,
+                                   BlockTrainSettings(block_size=4, anchors=5, loss_chunk_rows=chunk, **options))
+        model.zero_grad()
+        torch.manual_seed(1)  # the same anchors
+        loss, metrics = objective.loss(batch)
+        loss.backward()
+        results.append((float(loss), metrics, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}))
+    (whole, whole_metrics, whole_grads), (chunked, chunked_metrics, chunked_grads) = results
+    assert whole_metrics["tokens"] == chunked_metrics["tokens"] and set(whole_metrics) == set(chunked_metrics)
+    assert chunked == pytest.approx(whole, rel=1e-5)
+    assert all(chunked_metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in whole_metrics.items())
+    assert set(whole_grads) == set(chunked_grads) and (not dspark or any("markov" in n for n in whole_grads))
+    for name, grad in whole_grads.items():
+        assert float((chunked_grads[name] - grad).norm()) <= 1e-4 * float(grad.norm()) + 1e-9, name  # fp32 sums

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
@@ -73,6 +74,10 @@ class BlockTrainSettings:
     feature_tokens: int = FeatureData.max_tokens
     max_len: int = FeatureData.max_len
     self_distill: bool = False
+    # The loss over at most this many scored slots at a time, each chunk's logits recomputed in
+    # the backward pass (0: all at once). The logits are [slots, vocab] in fp32 several times
+    # over: at SpecForge's and DeepSpec's 512 anchors a batch of 16 needs ~100 GB without it.
+    loss_chunk_rows: int = 0
 
     def slot_decay(self) -> float:
         return self.decay or max(4.0, (self.block_size - 2) / 2)
@@ -164,43 +169,29 @@ class BlockObjective:
             out = self.forward(batch)
             if out["hidden"].shape[0] == 0:
                 raise BenchError("no scored positions in a batch: the feature cache holds no replies")
-            logits = model.logits(out["hidden"], self.lm_head)
-            distribution_terms = bool(s.l1_weight or (model.config.enable_confidence_head and s.bce_weight))
-            p_teacher = None
-            # the target's greedy token (the data's where the teacher's distribution is not read)
-            teacher_top = out["label"]
-            if s.labels == "target" or distribution_terms:  # a third of the step's lm_head work: only when read
-                with torch.no_grad():
-                    p_teacher = F.linear(out["teacher"], self.lm_head).float().softmax(-1)
-                    teacher_top = p_teacher.argmax(-1)
-            markov = model.markov_state(out["previous"]) if model.config.markov_rank else None
-            if markov is not None:
-                logits = logits + model.markov_bias(markov).float()
-            hits = agrees(logits.detach(), teacher_top).float()  # the drafted token is the target's greedy one
-            log_p = logits.log_softmax(-1)
             weights = self.slot_weights[out["slots"]]
             norm = weights.sum()
-            if s.labels == "target":
-                ce = -(p_teacher * log_p).sum(-1)
-            else:
-                ce = F.nll_loss(log_p, out["label"], reduction="none")
-            loss = s.ce_weight * (weights * ce).sum() / norm
-            metrics = {"ce": float((weights * ce).sum().detach() / norm)}
-            if distribution_terms:
-                l1 = (log_p.exp() - p_teacher).abs().sum(-1)
-                loss = loss + s.l1_weight * (weights * l1).sum() / norm
-                metrics["tv"] = float(0.5 * l1.detach().mean())
+            rows = out["hidden"].shape[0]
+            chunk = s.loss_chunk_rows if 0 < s.loss_chunk_rows < rows else rows
+            parts = []
+            for a in range(0, rows, chunk):
+                inputs = (out["hidden"][a:a + chunk], out["teacher"][a:a + chunk], out["previous"][a:a + chunk],
+                          out["label"][a:a + chunk], weights[a:a + chunk])
+                if chunk < rows and torch.is_grad_enabled():  # this chunk's logits are freed until the backward
+                    parts.append(checkpoint(self.row_terms, *inputs, use_reentrant=False))
+                else:
+                    parts.append(self.row_terms(*inputs))
+            ce_sum, l1_sum, tv_sum, bce_sum, hits, conf_sum = (torch.cat(t) if i == 4 else sum(t[1:], t[0])
+                                                                for i, t in enumerate(zip(*parts)))
+            loss = s.ce_weight * ce_sum / norm
+            metrics = {"ce": float(ce_sum.detach() / norm)}
+            if self.distribution_terms():
+                loss = loss + s.l1_weight * l1_sum / norm
+                metrics["tv"] = float(0.5 * tv_sum / rows)
                 if model.config.enable_confidence_head:
-                    sampled = (1 - 0.5 * l1).detach().clamp(0, 1)
-                    greedy = hits
-                    label = {"sampled": sampled, "greedy": greedy, "both": 0.5 * (sampled + greedy)}[
-                        s.confidence_label]
-                    confidence = model.confidence_logit(out["hidden"].detach(),
-                                                        markov.detach() if markov is not None else None).float()
-                    bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
-                    loss = loss + s.bce_weight * (weights * bce).sum() / norm
-                    metrics["bce"] = float((weights * bce).detach().sum() / norm)
-                    metrics["conf"] = float(torch.sigmoid(confidence.detach()).mean())
+                    loss = loss + s.bce_weight * bce_sum / norm
+                    metrics["bce"] = float(bce_sum.detach() / norm)
+                    metrics["conf"] = float(conf_sum / rows)
         # tokens: reply positions of the batch's sequences (the data consumed; the scaling figure's x)
         metrics.update(loss=float(loss.detach()), acc=float(hits.mean()), tokens=float(batch["mask"].sum()))
         for slot in (0, 1, 3, 7):
@@ -208,6 +199,45 @@ class BlockObjective:
             if chosen.any():
                 metrics[f"acc{slot}"] = float(hits[chosen].mean())
         return loss, metrics
+
+    def distribution_terms(self) -> bool:
+        """Whether the loss reads the teacher's whole distribution (DSpark's L1 and confidence terms)."""
+        s = self.settings
+        return bool(s.l1_weight or (self.model.config.enable_confidence_head and s.bce_weight))
+
+    def row_terms(self, hidden: Tensor, teacher: Tensor, previous: Tensor, label: Tensor,
+                  weights: Tensor) -> tuple[Tensor, ...]:
+        """Scored slots' loss sums, weighted (CE, L1 to the teacher), the L1 unweighted, the
+        confidence head's BCE weighted, whether each slot's argmax is the target's greedy token,
+        and the sum of the confidence."""
+        s, model = self.settings, self.model
+        logits = model.logits(hidden, self.lm_head)
+        p_teacher = None
+        teacher_top = label  # the target's greedy token (the data's where the teacher's distribution is not read)
+        if s.labels == "target" or self.distribution_terms():  # a third of the step's lm_head work: only when read
+            with torch.no_grad():
+                p_teacher = F.linear(teacher, self.lm_head).float().softmax(-1)
+                teacher_top = p_teacher.argmax(-1)
+        markov = model.markov_state(previous) if model.config.markov_rank else None
+        if markov is not None:
+            logits = logits + model.markov_bias(markov).float()
+        hits = agrees(logits.detach(), teacher_top).float()  # the drafted token is the target's greedy one
+        log_p = logits.log_softmax(-1)
+        ce = -(p_teacher * log_p).sum(-1) if s.labels == "target" else F.nll_loss(log_p, label, reduction="none")
+        zero = logits.new_zeros(())
+        l1_sum = l1_plain = bce_sum = conf_sum = zero
+        if self.distribution_terms():
+            l1 = (log_p.exp() - p_teacher).abs().sum(-1)
+            l1_sum, l1_plain = (weights * l1).sum(), l1.detach().sum()
+            if model.config.enable_confidence_head:
+                sampled = (1 - 0.5 * l1).detach().clamp(0, 1)
+                target = {"sampled": sampled, "greedy": hits, "both": 0.5 * (sampled + hits)}[s.confidence_label]
+                confidence = model.confidence_logit(hidden.detach(),
+                                                    markov.detach() if markov is not None else None).float()
+                bce = F.binary_cross_entropy_with_logits(confidence, target, reduction="none")
+                bce_sum = (weights * bce).sum()
+                conf_sum = torch.sigmoid(confidence.detach()).sum()
+        return (weights * ce).sum(), l1_sum, l1_plain, bce_sum, hits, conf_sum
 
 
 # The target's greedy token at each held-out position, kept in the training folder across exports
@@ -295,7 +325,7 @@ def mask_token_for(target, chosen: int, method: str) -> int:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.core.training import heldout_prediction, loop
+    from bench.core.training import heldout_prediction, loop, without_later_defaults
 
     known = set(BlockTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)
@@ -352,7 +382,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
-                "features": store.folder.name, "train": asdict(train_settings),
+                "features": store.folder.name, "train": without_later_defaults(asdict(train_settings)),
                 "bf16_autocast": settings.bf16_autocast()}
     cfg = settings.loop_config(len(batches.train_spans), grad_clip=1.0)
 
