@@ -9,7 +9,7 @@ positions (the log's `tokens`); DFlash/DSpark min(tokens, anchors x batch), an u
 that is exact when every conversation has at least `anchors` reply positions (the pool's
 conversations hold ~340 on average against 64 anchors).
 
-    python -m scripts.first_draft_curves
+    python -m scripts.first_draft_curves --readme results/README.md
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import click
 
 CHECKPOINTS = Path("methods/checkpoints")
 FIRST_DRAFT_KEY = {"eagle": "acc", "eagle3": "acc0", "dflash": "acc0", "dspark": "acc0"}
+NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
 BLOCK_METHODS = ("dflash", "dspark")
 
 
@@ -59,10 +60,28 @@ def accuracy_at(points: list[tuple[float, float, float]], examples: float, sprea
     return round(sum(n * a for n, a in near) / sum(n for n, _ in near), 4) if near else None
 
 
+def markdown(result: dict) -> str:
+    """The record as the README's table: accuracy by examples seen, and examples per step."""
+    methods = list(result["methods"])
+    marks = list(result["methods"][methods[0]]["accuracy_at"])
+    lines = ["| examples seen | " + " | ".join(NAMES.get(m, m) for m in methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for mark in marks:
+        cells = [result["methods"][m]["accuracy_at"][mark] for m in methods]
+        if all(c is None for c in cells):
+            continue
+        shown = ["-" if c is None else f"{c:.3f}" for c in cells]
+        lines.append(f"| {float(mark) / 1e6:g}M | " + " | ".join(shown) + " |")
+    lines.append("| examples a step | " + " | ".join(f"{result['methods'][m]['examples_per_step']:,.0f}"
+                                                   for m in methods) + " |")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--out", default="results/smollm2-135m/ablation/first-draft-curves.json", show_default=True)
-def main(target: str, out: str) -> None:
+@click.option("--readme", default=None, help="also write the table into this Markdown file's first-draft block")
+def main(target: str, out: str, readme: str | None) -> None:
     from bench.core.provenance import git_sha, timestamp
 
     marks = [1e5, 2.5e5, 5e5, 1e6, 2e6, 4e6, 6e6]
@@ -90,6 +109,11 @@ def main(target: str, out: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     click.echo(f"-> {path}")
+    if readme:
+        from bench.tables import update_readme
+
+        update_readme(Path(readme), {"first-draft": markdown(result)})
+        click.echo(f"-> {readme}")
 
 
 if __name__ == "__main__":

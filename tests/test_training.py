@@ -690,3 +690,32 @@ def test_export_interval_is_a_setting_a_resume_may_change(tmp_path):
     assert settings.loop_config().export_every_s == 7200.0
     assert TrainSettings(out_dir=tmp_path).loop_config().export_every_s is None  # the loop's default
     assert settings.loop_config(grad_clip=0.5).grad_clip == 0.5 and "export_every_s" in RESUMABLE_CHANGES
+
+
+def test_first_draft_curves_count_the_examples_each_drafter_saw(tmp_path):
+    """scripts.first_draft_curves: EAGLE's examples are a step's reply positions, a block
+    drafter's its anchors x batch (at most the reply positions); a shipped log that keeps every
+    k-th line counts k steps a line; the accuracy at a size is the steps' mean near it."""
+    import gzip
+
+    from scripts.first_draft_curves import accuracy_at, curve
+
+    def drafter(name, rows, batch, anchors=None, every=1):
+        folder = tmp_path / name
+        folder.mkdir()
+        settings = {"anchors": anchors} if anchors else {}
+        manifest = {"training": {"batch_size": batch, "steps": rows[-1]["step"], "settings": str(settings)}}
+        if every > 1:
+            manifest["shipped_logs"] = {"log.jsonl": {"every_kth_line": every}}
+        (folder / "drafter.json").write_text(json.dumps(manifest))
+        with gzip.open(folder / "log.jsonl.gz", "wt") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in rows)
+        return folder
+
+    eagle = drafter("eagle", [{"step": s, "tokens": 1000, "acc": 0.1 * s} for s in (1, 2, 3)], batch=4)
+    assert curve(eagle, "eagle") == [(1000, 1000, 0.1), (2000, 1000, 0.2), (3000, 1000, 0.30000000000000004)]
+    block = drafter("dflash", [{"step": s, "tokens": 900 if s < 10 else 100, "acc0": 0.5} for s in (1, 5, 10)],
+                    batch=4, anchors=64, every=5)
+    seen = [p[0] for p in curve(block, "dflash")]
+    assert seen == [256, 256 + 4 * 256, 256 + 4 * 256 + 5 * 100]  # 64 anchors x 4; a batch with 100 replies caps it
+    assert accuracy_at(curve(eagle, "eagle"), 2000) == 0.2 and accuracy_at(curve(eagle, "eagle"), 10**6) is None
