@@ -392,3 +392,19 @@ def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     assert set(whole_grads) == set(chunked_grads) and (not dspark or any("markov" in n for n in whole_grads))
     for name, grad in whole_grads.items():
         assert float((chunked_grads[name] - grad).norm()) <= 1e-4 * float(grad.norm()) + 1e-9, name  # fp32 sums
+
+
+def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
+    """anchors=512 on short replies: the blocks are as many as the row with the most candidate
+    anchors has (the rest would be computed and never scored), every candidate among them."""
+    model = random_model(default_target, block=4, draft_vocab=None)
+    lm_head = default_target.engine.lm_head.float()[model.draft_to_target]
+    objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, 30,
+                               BlockTrainSettings(block_size=4, anchors=512))
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, 10:17], mask[1, 20:23] = True, True  # 7 and 3 candidate anchors
+    blocks = objective.blocks({"tokens": torch.zeros(2, 40, dtype=torch.long), "mask": mask,
+                               "lengths": torch.tensor([40, 40])})
+    assert blocks["anchors"].shape[1] == 7
+    assert sorted(blocks["anchors"][0].tolist()) == list(range(10, 17))
+    assert set(range(20, 23)) <= set(blocks["anchors"][1].tolist())

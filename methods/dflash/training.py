@@ -121,9 +121,12 @@ class BlockObjective:
         device = tokens.device
         positions = torch.arange(width, device=device)
         candidates = mask & (positions[None] >= 1)  # the first draft, x_{a+1}, is a reply token
-        # Random scores, best `count` candidates per row: sampling without replacement.
+        # Random scores, best `count` candidates per row: sampling without replacement. No more
+        # blocks than the row with the most candidates has (512 anchors take every reply position:
+        # blocks past that would be computed and never scored).
         scores = torch.rand(size, width, device=device).masked_fill(~candidates, -1.0)
-        top, anchors = scores.topk(min(count, width), dim=1)
+        count = min(count, width, max(1, int(candidates.sum(1).max())))
+        top, anchors = scores.topk(count, dim=1)
         anchor_ok = top >= 0
         slots = torch.arange(b, device=device)
         slot_positions = anchors[:, :, None] + slots
