@@ -361,8 +361,9 @@ def test_block_ce_labels_are_the_data_tokens_or_the_target_distribution(default_
 @pytest.mark.parametrize("dspark", [False, True])
 def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     """loss_chunk_rows computes the loss over the scored slots a chunk at a time (each chunk's
-    logits recomputed in the backward): the same loss, metrics and gradients as all at once,
-    up to the order of the sums; with DSpark's Markov head, L1 and confidence terms too."""
+    logits recomputed in the backward) and checkpoint_layers recomputes the draft layers there:
+    the same loss, metrics and gradients as all at once, up to the order of the sums; with
+    DSpark's Markov head, L1 and confidence terms too."""
     from methods.dflash.training import DSPARK_DEFAULTS
 
     model = random_model(default_target, block=4, markov=8 if dspark else 0, confidence=dspark, anchor=dspark,
@@ -376,9 +377,10 @@ def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     options = {k: v for k, v in DSPARK_DEFAULTS.items() if k in ("ce_weight", "l1_weight", "bce_weight")} \
         if dspark else {}
     results = []
-    for chunk in (0, 7):
+    for chunk, recompute in ((0, False), (7, True)):
         objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, final,
-                                   BlockTrainSettings(block_size=4, anchors=5, loss_chunk_rows=chunk, **options))
+                                   BlockTrainSettings(block_size=4, anchors=5, loss_chunk_rows=chunk,
+                                                      checkpoint_layers=recompute, **options))
         model.zero_grad()
         torch.manual_seed(1)  # the same anchors
         loss, metrics = objective.loss(batch)

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from bench.core.cpu_kernels import PackedLinear
 from bench.core.cpu_kernels import linear as packed_linear
@@ -365,36 +366,47 @@ class BlockDraftModel(nn.Module):
         return x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
 
     def forward_block(self, x: Tensor, positions: Tensor, context_kv: list[tuple[Tensor, Tensor]],
-                      mask: Tensor | None = None, context_visible: Tensor | None = None) -> Tensor:
+                      mask: Tensor | None = None, context_visible: Tensor | None = None,
+                      checkpoint_layers: bool = False) -> Tensor:
         """Run the block x [.., n, d] at `positions` [.., n] through every layer; keys are
         [context; block]. `mask` [.., 1, n, ctx + n] (None: everything visible). Training's
         layout instead: x holds n / block_size blocks side by side, each slot sees its own
         block and the context where `context_visible` [B, n, ctx] (block_diagonal_attention).
+        `checkpoint_layers`: keep only each layer's input for the backward pass and recompute
+        the rest there (the attention scores of many blocks over the context are the bulk).
         Returns the final normed hidden states [.., n, d]."""
-        c = self.config
         cos, sin = self.rope(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
-            attn_mod = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = self._heads(attn_mod.q_proj(h), c.num_heads)
-            if c.qk_norm:
-                q = attn_mod.q_norm(q)
-            k = self._keys(layer, h)
-            v = self._heads(attn_mod.v_proj(h), c.num_kv_heads)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            if context_visible is not None:
-                attn = block_diagonal_attention(q, context_k.to(k.dtype), context_v.to(v.dtype), k, v,
-                                                context_visible, c.block_size, c.head_dim ** -0.5)
+            inputs = (layer, x, cos, sin, context_k, context_v, mask, context_visible)
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(self._layer, *inputs, use_reentrant=False)
             else:
-                keys = torch.cat([context_k.to(k.dtype), k], dim=-2)
-                values = torch.cat([context_v.to(v.dtype), v], dim=-2)
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5,
-                                                      enable_gqa=True)
-            x = x + attn_mod.o_proj(attn.transpose(-2, -3).flatten(-2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = self._layer(*inputs)
         return self.norm(x)
+
+    def _layer(self, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, context_k: Tensor, context_v: Tensor,
+               mask: Tensor | None, context_visible: Tensor | None) -> Tensor:
+        c = self.config
+        attn_mod = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = self._heads(attn_mod.q_proj(h), c.num_heads)
+        if c.qk_norm:
+            q = attn_mod.q_norm(q)
+        k = self._keys(layer, h)
+        v = self._heads(attn_mod.v_proj(h), c.num_kv_heads)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if context_visible is not None:
+            attn = block_diagonal_attention(q, context_k.to(k.dtype), context_v.to(v.dtype), k, v,
+                                            context_visible, c.block_size, c.head_dim ** -0.5)
+        else:
+            keys = torch.cat([context_k.to(k.dtype), k], dim=-2)
+            values = torch.cat([context_v.to(v.dtype), v], dim=-2)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5,
+                                                  enable_gqa=True)
+        x = x + attn_mod.o_proj(attn.transpose(-2, -3).flatten(-2))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
         """U_i over the draft vocabulary (fp32) from `lm_head` [Vd, d] (the target's rows)."""

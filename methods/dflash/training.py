@@ -78,6 +78,9 @@ class BlockTrainSettings:
     # the backward pass (0: all at once). The logits are [slots, vocab] in fp32 several times
     # over: at SpecForge's and DeepSpec's 512 anchors a batch of 16 needs ~100 GB without it.
     loss_chunk_rows: int = 0
+    # Keep only each draft layer's input for the backward pass (the rest recomputed there): the
+    # attention of 512 blocks over the context is ~3.6 GB a layer for a batch of 4.
+    checkpoint_layers: bool = False
 
     def slot_decay(self) -> float:
         return self.decay or max(4.0, (self.block_size - 2) / 2)
@@ -154,7 +157,8 @@ class BlockObjective:
         anchor_tokens = torch.gather(batch["tokens"], 1, blocks["anchors"])
         x = model.block_inputs(anchor_tokens, self.embed, c.block_size).flatten(1, 2)
         positions = blocks["slot_positions"].flatten(1)
-        hidden = model.forward_block(x, positions, context_kv, context_visible=blocks["context_visible"])
+        hidden = model.forward_block(x, positions, context_kv, context_visible=blocks["context_visible"],
+                                     checkpoint_layers=self.settings.checkpoint_layers)
         scored = blocks["scored"].flatten(1)
         rows = blocks["label_rows"].flatten(1)[scored]
         batch_rows = torch.arange(size, device=x.device)[:, None].expand_as(positions)[scored]
