@@ -75,11 +75,11 @@ class BlockTrainSettings:
     max_len: int = FeatureData.max_len
     self_distill: bool = False
     # The loss over at most this many scored slots at a time, each chunk's logits recomputed in
-    # the backward pass (0: all at once). The logits are [slots, vocab] in fp32 several times
-    # over: at SpecForge's and DeepSpec's 512 anchors a batch of 16 needs ~100 GB without it.
+    # the backward pass (0: all at once): the logits are [slots, vocab] in fp32 several times over,
+    # too much at the references' 512 anchors (scripts/block_memory.py measures both options).
     loss_chunk_rows: int = 0
     # Keep only each draft layer's input for the backward pass (the rest recomputed there): the
-    # attention of 512 blocks over the context is ~3.6 GB a layer for a batch of 4.
+    # attention scores of hundreds of blocks over the context are the bulk of the rest.
     checkpoint_layers: bool = False
 
     def slot_decay(self) -> float:
