@@ -175,7 +175,7 @@ SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --o
 # max_anchors: every reply position of our conversations), the loss in chunks and the draft layers
 # recomputed in the backward so that fits a batch of 16; the shipped DFlash (64 anchors) saw a fifth
 # of the first-draft examples EAGLE's heads saw (scripts/first_draft_curves.py). About 5x the rows
-# of a 64-anchor step: meant for a GPU.
+# of a 64-anchor step: meant for a GPU (BLOCK_ANCHORS="--option anchors=64" for the earlier runs).
 BLOCK_ANCHORS := --option anchors=512 --option loss_chunk_rows=4096 --option checkpoint_layers=true
 SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6
 SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50
