@@ -85,6 +85,23 @@ def test_an_interruption_between_syncs_redoes_only_the_shards_not_yet_made_durab
     assert torch.equal(resumed["tokens"], expected["tokens"]) and torch.equal(resumed["h30"], expected["h30"])
 
 
+def test_features_wait_for_the_disk_unless_told_not_to(default_target, cache, one_thread, monkeypatch):
+    """The tap files are fsync'd before the index counts their rows; BENCH_FEATURES_SYNC=0 (a
+    lent machine that goes with its lease) skips that and extracts the same cache."""
+    synced = []
+    monkeypatch.setattr(features_module.os, "fsync", lambda fd: synced.append(fd))
+    data = FeatureData(max_tokens=600, max_len=128)
+    ensure_features(default_target, (30,), data, progress=False)
+    assert synced
+    first = ensure_features(default_target, (30,), data, progress=False).load((30,))["h30"].clone()
+    for path in features_dir(default_target, data).iterdir():
+        path.unlink()
+    synced.clear()
+    monkeypatch.setenv("BENCH_FEATURES_SYNC", "0")
+    again = ensure_features(default_target, (30,), data, progress=False).load((30,))["h30"]
+    assert not synced and torch.equal(again, first)
+
+
 def test_dropped_taps_free_the_disk_and_come_back_on_demand(default_target, cache, one_thread):
     """`bench features --drop-tap`: the layer's file is deleted; a run asking for it again
     re-extracts it with the same bits; bad input is one line, exit 2."""
