@@ -89,6 +89,7 @@ def test_features_wait_for_the_disk_unless_told_not_to(default_target, cache, on
     """The tap files are fsync'd before the index counts their rows; BENCH_FEATURES_SYNC=0 (a
     lent machine that goes with its lease) skips that and extracts the same cache."""
     synced = []
+    monkeypatch.delenv("BENCH_FEATURES_SYNC", raising=False)
     monkeypatch.setattr(features_module.os, "fsync", lambda fd: synced.append(fd))
     data = FeatureData(max_tokens=600, max_len=128)
     ensure_features(default_target, (30,), data, progress=False)
