@@ -49,15 +49,15 @@ def _recorded_turns(records: Path) -> dict[tuple[str, int], dict]:
     return {(r["question_id"], r["turn"]): r for r in rows if r.get("type") == "turn"}
 
 
-def task_rounds(target, model, settings, task: str, records: Path, depth: int) -> dict:
+def grid_turns(target, task: str, records: Path):
+    """Each recorded turn of `records` with the prompt it was asked (the task's question and the
+    turn's earlier recorded replies): (record, prompt tokens)."""
     from bench.core.target import chat_prompt
     from bench.records import prompt_hash
-    from methods.mtp.training import MtpObjective
     from tasks import load_task
 
     turns = _recorded_turns(records)
     questions = {q.question_id: q for q in load_task(task, None)}
-    simulated, measured = [0, 0, 0], [0, 0, 0]
     for (question_id, turn), record in sorted(turns.items()):
         messages = []
         for t in range(1, turn + 1):
@@ -67,13 +67,38 @@ def task_rounds(target, model, settings, task: str, records: Path, depth: int) -
         prompt = chat_prompt(target.tokenizer, messages)
         if prompt_hash(prompt) != record["prompt_hash"]:
             raise click.ClickException(f"{records}: turn {question_id}/{turn} has another prompt than the task's")
+        yield record, prompt
+
+
+def recorded_rounds(record: dict) -> tuple[int, int, int]:
+    """(rounds, accepted drafts, rounds whose first draft was accepted) as the loop recorded them."""
+    accepted = record["accept_lengths"]
+    return len(accepted), sum(accepted), sum(a > 0 for a in accepted)
+
+
+def task_rounds(target, model, settings, task: str, records: Path, depth: int) -> dict:
+    from methods.mtp.training import MtpObjective
+
+    simulated, measured, count = [0, 0, 0], [0, 0, 0], 0
+    for record, prompt in grid_turns(target, task, records):
         features, window = _turn_features(target, prompt, record["tokens"])
         counts = MtpObjective(target, model, settings, features).round_counts([window], depth)
         simulated = [a + b for a, b in zip(simulated, counts)]
-        accepted = record["accept_lengths"]
-        measured = [a + b for a, b in zip(measured, (len(accepted), sum(accepted), sum(a > 0 for a in accepted)))]
-    return {"turns": len(turns), "records": str(records), "simulated": rounds_prediction(*simulated),
+        measured = [a + b for a, b in zip(measured, recorded_rounds(record))]
+        count += 1
+    return {"turns": count, "records": str(records), "simulated": rounds_prediction(*simulated),
             "measured": rounds_prediction(*measured)}
+
+
+def latest_records(target_name: str, task: str, method: str, tag: str) -> Path:
+    """The newest revision of a method's records of `tag` for a task."""
+    from bench.records import split_revision
+
+    folder = Path("results", target_name, task)
+    found = sorted(folder.glob(f"{method}-{tag}.jsonl")) + sorted(folder.glob(f"{method}-{tag}.r*.jsonl"))
+    if not found:
+        raise click.ClickException(f"no {method} records of tag '{tag}' for {task}")
+    return max(found, key=lambda p: split_revision(p.name[len(method) + 1:-len(".jsonl")])[1])
 
 
 @click.command()
@@ -86,7 +111,6 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
     from bench.core.provenance import provenance, timestamp
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.features import ensure_features
-    from bench.records import split_revision
     from methods.mtp.store import find_folder, load_model
     from methods.mtp.training import MtpObjective, MtpSettings, windows_of
 
@@ -114,11 +138,7 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
               "heldout": dict(heldout, **heldout_prediction(heldout["acc"])),
               f"heldout_first_{reply_tokens}": dict(first, **heldout_prediction(first["acc"])), "tasks": {}}
     for task in tasks:
-        found = sorted(Path("results", target.name, task).glob(f"mtp-{tag}.jsonl")) + \
-            sorted(Path("results", target.name, task).glob(f"mtp-{tag}.r*.jsonl"))
-        if not found:
-            raise click.ClickException(f"no mtp records of tag '{tag}' for {task}")
-        records = max(found, key=lambda p: split_revision(p.name[len("mtp-"):-len(".jsonl")])[1])
+        records = latest_records(target.name, task, "mtp", tag)
         result["tasks"][task] = task_rounds(target, model, settings, task, records, depth)
         simulated, measured = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
         click.echo(f"{task}: simulated tau {simulated['rounds_tau']:.3f} (a_1 {simulated['rounds_a1']:.3f}), "

@@ -719,3 +719,23 @@ def test_first_draft_curves_count_the_examples_each_drafter_saw(tmp_path):
     seen = [p[0] for p in curve(block, "dflash")]
     assert seen == [256, 256 + 4 * 256, 256 + 4 * 256 + 5 * 100]  # 64 anchors x 4; a batch with 100 replies caps it
     assert accuracy_at(curve(eagle, "eagle"), 2000) == 0.2 and accuracy_at(curve(eagle, "eagle"), 10**6) is None
+
+
+def test_one_node_medusa_rounds_follow_head_zero_hits():
+    """scripts.medusa_rounds: head 0 at row t drafts token t+2; a round starting at t accepts it
+    when right (next round two rows on) else moves one row; rows outside the reply start none."""
+    import types
+
+    import torch
+
+    from scripts.medusa_rounds import sequence_rounds
+
+    heads = types.SimpleNamespace(blocks=[torch.nn.Identity()])
+    tokens = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    drafts = [2, 3, 9, 5, 9, 7]  # row t drafts tokens[t+2] right at t = 0, 1, 3, 5
+    hidden = torch.nn.functional.one_hot(torch.tensor(drafts + [0, 0]), 10).float()
+    mask = torch.tensor([False, True, True, True, True, True, True, False])  # token t+1 a reply token
+    # rounds start at 1 (hit: 1 accepted), 3 (hit), 5 (hit) -> 7 is past the reply: 3 rounds, 3 accepted
+    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask) == (3, 3, 3)
+    mask[1] = False  # the reply begins a row later: 2 (miss), 3 (hit), 5 (hit)
+    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask) == (3, 2, 2)
