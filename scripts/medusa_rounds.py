@@ -26,13 +26,22 @@ from bench.core.training import rounds_prediction, simulated_rounds
 from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds
 
 
-def sequence_rounds(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[int, int, int]:
-    """Rounds of a one-node Medusa tree over one sequence: hidden [n, d] the target's final
-    states, mask[t] whether token t+1 is a reply token (rows where a round may start)."""
+def head_zero_hits(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row t: head 0 drafted token t+2 right while it is still a reply token, and whether
+    row t is such a pair at all (hidden [n, d] the target's final states, mask[t] whether token
+    t+1 is a reply token)."""
     n = len(tokens)
     drafts = F.linear(heads.blocks[0](hidden[: n - 2].float()), lm_head).argmax(-1)
+    pairs = torch.zeros(n, dtype=torch.bool)
+    pairs[: n - 2] = mask[: n - 2] & mask[1: n - 1]
     hit = torch.zeros(n, dtype=torch.bool)
-    hit[: n - 2] = (drafts == tokens[2:]) & mask[1: n - 1]  # token t+2 drafted right and still a reply token
+    hit[: n - 2] = (drafts == tokens[2:]) & mask[1: n - 1]
+    return hit, pairs
+
+
+def sequence_rounds(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[int, int, int]:
+    """Rounds of a one-node Medusa tree over one sequence (rows where mask holds may start one)."""
+    hit, _ = head_zero_hits(heads, lm_head, hidden, tokens, mask)
     return simulated_rounds([hit.tolist()], mask.tolist())
 
 
@@ -51,11 +60,10 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict, conversations: int, k
     total, rows, hits = [0, 0, 0], 0, 0
     with torch.no_grad():
         for a, b in zip(offsets[-1 - conversations: -1], offsets[-conversations:]):
-            tokens, hidden, window = features["tokens"][a:b].long(), features["h"][a:b], mask[a:b]
-            total = _add(total, sequence_rounds(heads, lm_head, hidden, tokens, window))
-            drafts = F.linear(heads.blocks[0](hidden[: b - a - 2].float()), lm_head).argmax(-1)
-            rows_ok = window[: b - a - 2] & window[1: b - a - 1]
-            rows, hits = rows + int(rows_ok.sum()), hits + int(((drafts == tokens[2:]) & rows_ok).sum())
+            tokens, window = features["tokens"][a:b].long(), mask[a:b]
+            hit, pairs = head_zero_hits(heads, lm_head, features["h"][a:b], tokens, window)
+            total = _add(total, simulated_rounds([hit.tolist()], window.tolist()))
+            rows, hits = rows + int(pairs.sum()), hits + int((hit & pairs).sum())
     return dict(rounds_prediction(*total), rows=rows, head0_top1=round(hits / max(1, rows), 4),
                 predicted_tau=round(1 + hits / max(1, rows), 4))
 

@@ -54,8 +54,8 @@ from bench.core.target import cache_dir
 FORMAT = "spec-bench-features/1"
 SHARD_SEQUENCES = 64
 # Finished shards are made durable (tap files fsync'd, then the index names them) at most this
-# often: an fsync per shard held a GPU's extraction to the disk's synchronous write rate, while
-# a CPU shard takes longer than this anyway. A shard not yet in the index is redone on resume.
+# often, not after each (a CPU shard takes longer than this anyway). A shard not yet in the index
+# is redone on resume. Where the disk's bandwidth is the limit only BENCH_FEATURES_SYNC=0 helps.
 SYNC_EVERY_S = 30.0
 
 
