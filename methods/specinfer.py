@@ -174,8 +174,9 @@ class SpecInferDrafter(Drafter):
 
 def build(target, options: dict | Options | None = None) -> LoopDecoder:
     opts = parse_options(Options, options, METHOD)
-    draft, _ = load_draft_engine(target, find_drafter(target.name, "sps", opts.drafter))
-    return LoopDecoder(target, SpecInferDrafter(draft, opts.widths, opts.mode))
+    draft, info = load_draft_engine(target, find_drafter(target.name, "sps", opts.drafter))
+    # The SpS draft's identity goes into the records: a retrained draft makes a new grid revision.
+    return LoopDecoder(target, SpecInferDrafter(draft, opts.widths, opts.mode), info)
 
 
 def train(target, settings) -> dict:

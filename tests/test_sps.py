@@ -144,6 +144,16 @@ def test_drafter_folder_adds_shared_weights(tiny_target, tmp_path):
     assert decoder.run_turn(PROMPTS[0], _greedy(20)).tokens == base.tokens
 
 
+def test_specinfer_records_the_sps_draft_it_loads(tiny_target, tmp_path):
+    from methods.specinfer import build as build_specinfer
+
+    _write_drafter(tmp_path / "d", tiny_target)
+    sps = build(tiny_target, {"drafter": str(tmp_path / "d")})
+    specinfer = build_specinfer(tiny_target, {"drafter": str(tmp_path / "d")})
+    assert specinfer.info["drafter"] == sps.info["drafter"] == str(tmp_path / "d")
+    assert specinfer.info["draft_layers"] == 1
+
+
 def test_drafter_for_other_target_is_refused(tiny_target, tmp_path):
     _write_drafter(tmp_path / "d", tiny_target, fingerprint="0123456789abcdef")
     with pytest.raises(BenchError, match="trained for target"):
