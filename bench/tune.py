@@ -69,7 +69,7 @@ def _read(path: Path) -> dict | None:
 
 def _drafter_sha(decoder) -> str | None:
     info = getattr(decoder, "info", None) or {}
-    return info.get("manifest_sha")
+    return info.get("manifest_sha") or info.get("weights_sha1")  # SpS / SpecInfer drafts name their weights
 
 
 def tuned_budget(results_dir: str | Path, target, method: str) -> tuple[int | None, dict]:

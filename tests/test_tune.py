@@ -113,6 +113,9 @@ def test_auto_refuses_a_missing_tuning_other_weights_and_another_drafter(default
         check_tuned_drafter({"drafter_sha": "abc", "file": "x.json"},
                             SimpleNamespace(info={"manifest_sha": "def"}), "eagle3")
     check_tuned_drafter({"drafter_sha": None}, SimpleNamespace(), "pld")  # no drafter on either side
+    with pytest.raises(BenchError, match="tuned sps with drafter None, this run loads 8ab8"):  # a draft LM's weights
+        check_tuned_drafter({"drafter_sha": None, "file": "x.json"},
+                            SimpleNamespace(info={"drafter": "d", "weights_sha1": "8ab8"}), "sps")
     result = CliRunner().invoke(main, ["run", "--method", "pld", "--task", str(tiny_task), "--budget", "auto",
                                        "--results-dir", str(tmp_path / "none"), "--max-new-tokens", "4"])
     assert result.exit_code == 2 and "no tuning of pld" in result.stderr and len(result.stderr.splitlines()) == 1
