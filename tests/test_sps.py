@@ -260,3 +260,20 @@ def test_sampled_sps_follows_the_target_distribution(tiny_target, one_thread):
         tokens = tuple(decode(engine, drafter, prompt, config, generator).tokens[:3])
         counts[index.get(tokens, len(joint))] += 1
     assert chi_square_pvalue(counts, torch.tensor(joint + [0.0])) > ALPHA
+
+
+@pytest.mark.parametrize("gamma,noise", [(3, 0.1), (4, 0.3), (2, 0.0)])
+def test_sps_rounds_replay_the_loop_from_one_teacher_forced_pass(tiny_target, gamma, noise):
+    """scripts/sps_rounds: a greedy chain's rounds follow from the draft's top-1 after each
+    token of the finished turn (accepted drafts are the target's tokens)."""
+    from scripts.mtp_rounds import recorded_rounds
+    from scripts.sps_rounds import sequence_rounds, turn_rows
+
+    draft = noisy_draft(tiny_target, noise)
+    for prompt in PROMPTS:
+        result = decode(tiny_target.engine, SpsDrafter(draft, gamma), prompt, _greedy(40))
+        tokens = torch.tensor(prompt + result.tokens)
+        mask, starts = turn_rows(len(prompt), len(tokens), result.stop_reason)
+        counts, _, _ = sequence_rounds(draft, tokens, mask, gamma, starts)
+        assert counts == recorded_rounds({"accept_lengths": result.accept_lengths})
+        assert 0 < counts[1] < counts[0] * gamma or noise == 0.0
