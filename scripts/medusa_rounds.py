@@ -14,16 +14,13 @@ is a reply's opening.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import click
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from bench.core.training import rounds_prediction, simulated_rounds
-from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds
+from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
 
 
 def head_zero_hits(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,7 +73,6 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict, conversations: int, k
 @click.option("--out", default="results/smollm2-135m/rounds", show_default=True)
 def main(tag: str, tasks: tuple[str, ...], heldout: int, reply_tokens: int, out: str) -> None:
     from bench.core.drafters import find_drafter, weights_sha1
-    from bench.core.provenance import provenance, timestamp
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.features import FeatureData, ensure_features
     from methods.medusa.model import load_drafter
@@ -121,12 +117,8 @@ def main(tag: str, tasks: tuple[str, ...], heldout: int, reply_tokens: int, out:
             result[key] = heldout_rounds(heads, lm_head, features, heldout, keep)
             click.echo(f"{key}: head 0 top-1 {result[key]['head0_top1']:.3f} (tau {result[key]['predicted_tau']:.3f}); "
                        f"simulated rounds tau {result[key]['rounds_tau']:.3f} (a_1 {result[key]['rounds_a1']:.3f})")
-    result.update(heldout_conversations=heldout, features=str(store.folder), provenance=provenance("cpu"),
-                  created_at=timestamp())
-    path = Path(out) / f"medusa-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    click.echo(f"-> {path}")
+    result.update(heldout_conversations=heldout, features=str(store.folder))
+    click.echo(f"-> {write_record(out, f'medusa-{tag}', result)}")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,17 @@ def task_rounds(target, model, settings, task: str, records: Path, depth: int) -
             "measured": rounds_prediction(*measured)}
 
 
+def write_record(out: str, name: str, result: dict) -> Path:
+    """A rounds record (`out`/`name`.json) with the machine and versions it ran on."""
+    from bench.core.provenance import provenance, timestamp
+
+    result.update(provenance=provenance("cpu"), created_at=timestamp())
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
 def latest_records(target_name: str, task: str, method: str, tag: str) -> Path:
     """The newest revision of a method's records of `tag` for a task."""
     from bench.records import split_revision
@@ -108,7 +119,6 @@ def latest_records(target_name: str, task: str, method: str, tag: str) -> Path:
               help="also the held-out replies cut to their first N tokens, as the grid's turns are")
 @click.option("--out", default="results/smollm2-135m/rounds", show_default=True)
 def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
-    from bench.core.provenance import provenance, timestamp
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.features import ensure_features
     from methods.mtp.store import find_folder, load_model
@@ -143,10 +153,7 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
         simulated, measured = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
         click.echo(f"{task}: simulated tau {simulated['rounds_tau']:.3f} (a_1 {simulated['rounds_a1']:.3f}), "
                    f"recorded {measured['rounds_tau']:.3f} ({measured['rounds_a1']:.3f})")
-    result.update(provenance=provenance("cpu"), created_at=timestamp())
-    path = Path(out) / f"mtp-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    path = write_record(out, f"mtp-{tag}", result)
     for key in ("heldout", f"heldout_first_{reply_tokens}"):
         held_rounds = result[key]
         click.echo(f"{key}: product of agreements tau {held_rounds['predicted_tau']:.3f}; simulated rounds tau "

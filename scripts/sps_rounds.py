@@ -15,14 +15,13 @@ start and how much is a reply's opening.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 import torch
 from torch import Tensor
 
 from bench.core.training import rounds_prediction, simulated_rounds
-from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds
+from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
 
 
 def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -94,7 +93,6 @@ def heldout_rounds(draft, data: dict, conversations: int, gamma: int, keep: int 
 @click.option("--out", default="results/smollm2-135m/rounds", show_default=True)
 def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
     from bench.core.drafters import find_drafter, read_manifest
-    from bench.core.provenance import provenance, timestamp
     from bench.core.target import load_target, parse_dtype, resolve_dtype
     from bench.core.training.draft_lm import DraftLMSettings
     from bench.core.training.features import FeatureData, ensure_features
@@ -137,11 +135,8 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
             result[key] = heldout_rounds(draft, data, settings.heldout, gamma, keep)
             click.echo(f"{key}: position-0 top-1 {result[key]['top1_position0']:.3f}; "
                        f"simulated rounds tau {result[key]['rounds_tau']:.3f} (a_1 {result[key]['rounds_a1']:.3f})")
-    result.update(features=str(store.folder), provenance=provenance("cpu"), created_at=timestamp())
-    path = Path(out) / f"sps-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    click.echo(f"-> {path}")
+    result.update(features=str(store.folder))
+    click.echo(f"-> {write_record(out, f'sps-{tag}', result)}")
 
 
 if __name__ == "__main__":
