@@ -20,7 +20,7 @@ import click
 import torch
 from torch import Tensor
 
-from bench.core.training import rounds_prediction, simulated_rounds
+from bench.core.training import next_token_rounds, rounds_prediction
 from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
 
 
@@ -32,27 +32,13 @@ def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
     return right
 
 
-def chain_hits(right: Tensor, gamma: int) -> list[list[bool]]:
-    """hit[k][s]: the chain of a round whose last known token is s+1 drafts token s+2+k right."""
-    hits = []
-    for k in range(gamma):
-        row = torch.zeros(len(right), dtype=torch.bool)
-        row[: max(0, len(right) - 1 - k)] = right[1 + k:]
-        hits.append(row.tolist())
-    return hits
-
-
 def sequence_rounds(draft, tokens: Tensor, mask: Tensor, gamma: int,
                     starts: Tensor | None = None) -> tuple[tuple[int, int, int], int, int]:
-    """(rounds, accepted, first accepted) over one sequence, the rows whose next token is a
-    reply token, and at how many the draft's top-1 is right (position 0's agreement). A round
-    may start where `starts` holds; by default after any reply token but the reply's last."""
+    """(rounds, accepted, first accepted) over one sequence (bench.core.training.next_token_rounds),
+    the rows whose next token is a reply token, and at how many the draft's top-1 is right."""
     right = draft_right(draft.prefill(tokens, logits_rows="all").logits.argmax(-1), tokens, mask)
-    if starts is None:
-        starts = mask.clone()
-        starts[:-1] &= mask[1:]
-        starts[-1] = False
-    return simulated_rounds(chain_hits(right, gamma), starts.tolist()), int(mask.sum()), int(right.sum())
+    counts = next_token_rounds(right.tolist(), mask.tolist(), gamma, None if starts is None else starts.tolist())
+    return counts, int(mask.sum()), int(right.sum())
 
 
 def turn_rows(prompt_len: int, length: int, stop_reason: str | None) -> tuple[Tensor, Tensor]:

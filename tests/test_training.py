@@ -181,6 +181,8 @@ def test_sps_training_measures_held_out_chain_agreement(tiny_target, sharegpt, t
     heldout = manifest["heldout"]
     assert heldout["held_out"] == "the first 1 conversations" and heldout["positions"] > 0
     assert heldout["top1_by_position"] == [1.0, 1.0, 1.0] and heldout["predicted_tau"] == 4.0
+    # every round's first draft lands; only a reply's last round is cut short of 3 drafts
+    assert heldout["rounds_a1"] == 1.0 and 3.5 < heldout["rounds_tau"] <= 4.0
     assert summary["steps"] == 1
 
 

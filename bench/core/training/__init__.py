@@ -57,6 +57,19 @@ def simulated_rounds(hit, start_ok) -> tuple[int, int, int]:
     return rounds, accepted, first
 
 
+def next_token_rounds(right: list[bool], mask: list[bool], depth: int,
+                      starts: list[bool] | None = None) -> tuple[int, int, int]:
+    """simulated_rounds of a draft LM's greedy chain (SpS) over one sequence: right[r] says its
+    top-1 after token r is token r+1, mask[r] that token r+1 is a reply token. A round whose
+    last known token is s+1 drafts tokens s+2, s+3, ... after tokens s+1, s+2, ...; it may start
+    where `starts` holds, by default after any reply token but its reply's last."""
+    n = len(right)
+    hits = [[s + 1 + k < n and bool(right[s + 1 + k]) for s in range(n)] for k in range(depth)]
+    if starts is None:
+        starts = [bool(mask[s]) and s + 1 < n and bool(mask[s + 1]) for s in range(n)]
+    return simulated_rounds(hits, starts)
+
+
 def rounds_prediction(rounds: int, accepted: int, first: int) -> dict:
     """What simulated_rounds (summed over held-out sequences) predicts: τ and the first draft's acceptance."""
     return {"rounds": rounds, "rounds_tau": round(1 + accepted / max(1, rounds), 4),

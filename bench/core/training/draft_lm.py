@@ -162,21 +162,30 @@ class DraftDistillation:
                       "accept": overlap / total, "tokens": total}
 
     @torch.no_grad()
-    def chain_agreement(self, examples: list[Example], depth: int) -> tuple[list[float], int]:
+    def chain_agreement(self, examples: list[Example], depth: int) -> tuple[list[float], int, list[int]]:
         """Held-out top-1 agreement per draft position of a greedy chain: position i counts
         where the draft agreed with the target at the i earlier positions of the same reply
         (teacher-forced, exactly the context such a chain drafts in). Returns the agreement
-        per position and the reply positions measured."""
-        agreed, reached = [0] * depth, [0] * depth
+        per position, the reply positions measured, and the decode rounds simulated on the
+        same replies (rounds, accepted, first accepted: bench.core.training.next_token_rounds)."""
+        from bench.core.training import next_token_rounds
+
+        agreed, reached, rounds = [0] * depth, [0] * depth, [0, 0, 0]
         for ex in examples:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
             teacher = self.teacher_logits(ex, tokens, rows).argmax(-1)
             student = self.student_logits(tokens, rows).argmax(-1)
-            for i, (yes, tried) in enumerate(chain_counts((student == teacher).tolist(), rows.tolist(), depth)):
+            agree = (student == teacher).tolist()
+            for i, (yes, tried) in enumerate(chain_counts(agree, rows.tolist(), depth)):
                 agreed[i] += yes
                 reached[i] += tried
-        return [a / r if r else 0.0 for a, r in zip(agreed, reached)], reached[0]
+            right = [False] * len(tokens)
+            for row, yes in zip(rows.tolist(), agree):
+                right[row] = yes
+            counts = next_token_rounds(right, ex.loss_mask.bool().tolist(), depth)
+            rounds = [a + b for a, b in zip(rounds, counts)]
+        return [a / r if r else 0.0 for a, r in zip(agreed, reached)], reached[0], rounds
 
     def export(self, folder: Path, manifest: dict) -> None:
         """Write the shippable drafter: non-shared weights in bf16 + drafter.json."""
@@ -214,7 +223,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.core.training import heldout_prediction, loop
+    from bench.core.training import heldout_prediction, loop, rounds_prediction
     from bench.core.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
@@ -274,8 +283,8 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         rows = loop.read_log(out_dir)
         manifest = {"method": method, "target": target_info, "weights": WEIGHTS}
         if held_examples:
-            agreement, measured = objective.chain_agreement(held_examples, draft_settings.heldout_depth)
-            manifest["heldout"] = dict(heldout_prediction(agreement), positions=measured,
+            agreement, measured, rounds = objective.chain_agreement(held_examples, draft_settings.heldout_depth)
+            manifest["heldout"] = dict(heldout_prediction(agreement), **rounds_prediction(*rounds), positions=measured,
                                        held_out=f"the first {len(held_examples)} conversations")
         manifest.update({
             "training": {
