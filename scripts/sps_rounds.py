@@ -45,8 +45,8 @@ def turn_rows(prompt_len: int, length: int, stop_reason: str | None) -> tuple[Te
     """(mask, starts) of a recorded turn. The prefill gives the first reply token; the loop
     drafts at most up to the token before max_new_tokens (the last is always a round's bonus),
     so a turn cut by its length neither drafts its last token nor starts a round after it. A
-    turn that ended at EOS may have drafted its EOS and accepted past it, drafts its record
-    cuts off: there the replay can undercount the last round."""
+    turn that ended at EOS may have accepted drafts past its EOS, which its record cuts off:
+    there the replay can undercount the last round."""
     end = length - 1 if stop_reason == "length" else length
     mask, starts = torch.zeros(length, dtype=torch.bool), torch.zeros(length, dtype=torch.bool)
     mask[prompt_len - 1: end - 1] = True
