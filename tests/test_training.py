@@ -322,23 +322,27 @@ def test_simulated_rounds_start_after_each_bonus_token() -> None:
         "rounds": 4, "rounds_tau": 1.75, "rounds_a1": 0.75}
 
 
+class Toy:
+    """A loop objective of one weight matrix; each step trains 100 tokens."""
+
+    def __init__(self) -> None:
+        self.w = torch.nn.Parameter(torch.ones(2, 2))
+
+    def named_parameters(self):
+        return [("w", self.w)]
+
+    def loss(self, batch):
+        return (self.w * batch).sum() ** 2, {"tokens": 100.0}
+
+
+def next_batch(cursor):
+    return torch.full((2, 2), 0.1), cursor + 1
+
+
 def test_milestones_fire_once_across_a_resume(tmp_path):
     """on_milestone runs once per milestone of trained tokens, also when the run stops
     between milestones and resumes; the count is kept in the checkpoint."""
     from bench.core.training import loop
-
-    class Toy:
-        def __init__(self) -> None:
-            self.w = torch.nn.Parameter(torch.ones(2, 2))
-
-        def named_parameters(self):
-            return [("w", self.w)]
-
-        def loss(self, batch):
-            return (self.w * batch).sum() ** 2, {"tokens": 100.0}
-
-    def next_batch(cursor):
-        return torch.full((2, 2), 0.1), cursor + 1
 
     fired = []
     cfg = loop.LoopConfig(max_steps=3, checkpoint_every_s=1e9)
@@ -371,6 +375,25 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
                          progress=False, on_checkpoint=exported.append)
     assert exported == [8, 9, 10, 11] and summary["resumed_from"] == 10  # the last step again, then its export
     assert [row["step"] for row in loop.read_log(tmp_path)][-2:] == [10, 11]
+
+
+def test_run_loop_keeps_copies_of_the_folder_it_trains_into(tmp_path):
+    """TrainSettings.run_loop: --keep-at copies come from the folder the trainer exports into,
+    also where that is not settings.out_dir (MTP's parallel variant trains into its own)."""
+    from bench.core.training import TrainSettings, loop
+
+    folder = tmp_path / "mtp-parallel"
+
+    def export(step: int) -> None:
+        (folder / "drafter.json").write_text(json.dumps({"training": {"steps": step}}))
+
+    settings = TrainSettings(out_dir=tmp_path / "mtp", keep_at=(150,), progress=False)
+    summary = settings.run_loop(Toy(), next_batch, loop.LoopConfig(max_steps=3, checkpoint_every_s=1e9), {},
+                                export, folder)
+    assert summary["drafter"] == str(folder) and not (tmp_path / "mtp").exists()
+    kept = folder / "kept" / "150-tokens" / "drafter.json"
+    assert json.loads(kept.read_text())["training"]["steps"] == 2  # the copy as it was at the milestone
+    assert json.loads((folder / "drafter.json").read_text())["training"]["steps"] == 3
 
 
 def test_stop_at_exports_checkpoints_and_the_rerun_ends_where_one_run_would(tmp_path):

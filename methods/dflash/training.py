@@ -413,9 +413,6 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         export_model(model, out_dir, manifest)
 
     model.train()
-    summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
-                         on_checkpoint=export,
-                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
-    summary["drafter"] = str(out_dir)
+    summary = settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)
     return summary
 

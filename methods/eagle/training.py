@@ -418,8 +418,5 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         export_head(head, out_dir, manifest)
 
     head.train()
-    summary = loop.train(objective, batches.next_batch, cfg, out_dir, identity, settings.progress,
-                         on_checkpoint=export,
-                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
-    summary["drafter"] = str(out_dir)
+    summary = settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)
     return summary

@@ -304,8 +304,6 @@ def train_medusa(target, settings) -> dict:
         }
         export_heads(heads, out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
-                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
-    summary["drafter"] = str(out_dir)
+    summary = settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
     return summary
 

@@ -364,8 +364,6 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
         }
         objective.export(out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
-                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
-    summary["drafter"] = str(out_dir)
+    summary = settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
     summary["heldout"] = read_manifest(out_dir).get("training", {}).get("heldout")
     return summary

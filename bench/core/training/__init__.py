@@ -121,26 +121,39 @@ class TrainSettings:
                              "checkpoint_every_s": self.checkpoint_every_s, "export_every_s": self.export_every_s,
                              "stop_at": self.stop_at, "seed": self.seed, **overrides})
 
-    def keeper(self, export):
-        """The loop's on_milestone for `keep_at`: export the drafter (export(step) writes it
-        into out_dir) and copy it to out_dir/kept/<tokens>-tokens/, a drafter folder that
-        `bench run --drafter` takes."""
-        import shutil
+    def run_loop(self, objective, next_batch, cfg, identity: dict, export, out_dir: Path | None = None) -> dict:
+        """bench.core.training.loop.train into out_dir (default: self.out_dir) with a trainer's
+        export(step) after its checkpoints and a copy kept at each of `keep_at`; the summary
+        names the drafter's folder."""
+        from bench.core.training.loop import train
 
-        from bench.core.drafters import MANIFEST
+        out_dir = Path(out_dir or self.out_dir)
+        summary = train(objective, next_batch, cfg, out_dir, identity, self.progress, on_checkpoint=export,
+                        milestones=self.keep_at, on_milestone=_keeper(export, out_dir))
+        summary["drafter"] = str(out_dir)
+        return summary
 
-        def keep(tokens: int, step: int) -> None:
-            export(step)  # the manifest's training.tokens_seen says how many tokens it has seen
-            folder = kept_folder(self.out_dir, tokens)
-            tmp = folder.with_name(folder.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for item in Path(self.out_dir).iterdir():
-                if item.is_file() and (item.name == MANIFEST or item.suffix in (".safetensors", ".json")):
-                    shutil.copy2(item, tmp / item.name)
-            shutil.rmtree(folder, ignore_errors=True)
-            tmp.rename(folder)
-        return keep
+
+def _keeper(export, out_dir: Path):
+    """The loop's on_milestone for `keep_at`: export the drafter (export(step) writes it into
+    out_dir) and copy it to out_dir/kept/<tokens>-tokens/, a drafter folder that `bench run
+    --drafter` takes."""
+    import shutil
+
+    from bench.core.drafters import MANIFEST
+
+    def keep(tokens: int, step: int) -> None:
+        export(step)  # the manifest's training.tokens_seen says how many tokens it has seen
+        folder = kept_folder(out_dir, tokens)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for item in out_dir.iterdir():
+            if item.is_file() and (item.name == MANIFEST or item.suffix in (".safetensors", ".json")):
+                shutil.copy2(item, tmp / item.name)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return keep
 
 
 def kept_folder(out_dir: Path, tokens: int) -> Path:

@@ -305,7 +305,5 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         })
         objective.export(out_dir, manifest)
 
-    summary = loop.train(objective, next_batch, cfg, out_dir, identity, settings.progress, on_checkpoint=export,
-                         milestones=settings.keep_at, on_milestone=settings.keeper(export))
-    summary["drafter"] = str(out_dir)
+    summary = settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
     return summary
