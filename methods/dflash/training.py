@@ -413,6 +413,5 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         export_model(model, out_dir, manifest)
 
     model.train()
-    summary = settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)
-    return summary
+    return settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)
 

@@ -418,5 +418,4 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         export_head(head, out_dir, manifest)
 
     head.train()
-    summary = settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)
-    return summary
+    return settings.run_loop(objective, batches.next_batch, cfg, identity, export, out_dir)

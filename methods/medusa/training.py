@@ -304,6 +304,5 @@ def train_medusa(target, settings) -> dict:
         }
         export_heads(heads, out_dir, manifest)
 
-    summary = settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
-    return summary
+    return settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
 

@@ -305,5 +305,4 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         })
         objective.export(out_dir, manifest)
 
-    summary = settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
-    return summary
+    return settings.run_loop(objective, next_batch, cfg, identity, export, out_dir)
