@@ -667,6 +667,13 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     assert "stopped; resumes from step 10" in text and "step 12/100 (12%)" in text and "10 min old" in text
     assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text
     assert "command: bench train --method eagle3 --epochs 2" in text
+    # a folder moved since its run started (set aside, or brought from another machine): the
+    # command shown resumes it here
+    (run / ".train.command").write_text(f"bench train --method eagle3 --out {tmp_path / 'elsewhere'} --epochs 2\n")
+    assert f"command: bench train --method eagle3 --out {run} --epochs 2  (moved here from" in describe(
+        read_status(run, now=now))
+    (run / ".train.command").write_text(f"bench train --method eagle3 --out {run} --epochs 2\n")
+    assert describe(read_status(run, now=now)).endswith(f"command: bench train --method eagle3 --out {run} --epochs 2")
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", "train"],
                               stdout=subprocess.PIPE)

@@ -123,8 +123,23 @@ def describe(run: RunStatus) -> str:
     if run.kept:
         lines.append("  kept copies: " + ", ".join(f"{t / 1e6:.2g}M tokens" for t in run.kept))
     if run.command and not run.finished:
-        lines.append(f"  command: {run.command}")
+        lines.append(f"  command: {resume_command(run.command, run.folder)}")
     return "\n".join(lines)
+
+
+def resume_command(command: str, folder: Path) -> str:
+    """The run's command with `--out` naming this folder: a folder moved since the run started
+    (set aside, or brought from another machine) resumes only where --out points."""
+    import shlex
+
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    for i, word in enumerate(words[:-1]):
+        if word == "--out" and Path(words[i + 1]).expanduser().resolve() != Path(folder).resolve():
+            return shlex.join(words[:i + 1] + [str(folder)] + words[i + 2:]) + f"  (moved here from {words[i + 1]})"
+    return command
 
 
 def _json(path: Path) -> dict:
