@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports refresh frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports pack-records refresh frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ all-results: $(STAMP)
 	$(MAKE) load-sweep
 	$(MAKE) grid-reports
 	$(MAKE) frspec
+	$(MAKE) pack-records
+
+# Finished record files stored gzip'd (<file>.jsonl.gz, byte for byte; every command reads them as before):
+# the records are a fifth of their size. A file a run is still writing is left as it is.
+pack-records: $(STAMP)
+	$(BIN)/bench pack --results-dir results
 
 # The grid's report, README.md's headline tables and results/README.md's grid table from the kept records.
 grid-reports: $(STAMP)
@@ -80,6 +86,7 @@ refresh: $(STAMP)
 	$(BIN)/python -m bench.grid --temperature 1 $(foreach m,$(METHODS),--method $(m))
 	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(MAKE) grid-reports
+	$(MAKE) pack-records
 
 # FR-Spec for EAGLE-1/2 (methods/eagle/fr_spec.py): the grid's suites at their defaults and at budget 1,
 # beside the same methods without it (results/README.md's `frspec` block).

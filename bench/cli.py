@@ -603,6 +603,38 @@ def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, 
                    f"per-question tok/s), mean accepted tokens {speed.mean_accepted:.2f}")
 
 
+@main.command(name="pack")
+@click.argument("paths", nargs=-1)
+@click.option("--results-dir", default="results", show_default=True, help="folder of run records (no PATHS)")
+def pack_cmd(paths, results_dir) -> None:
+    """Store finished record files gzip'd (<name>.jsonl.gz, byte for byte): every command reads
+    them as before, and a run that resumes one unpacks it first. PATHS: record files or
+    folders (default: every record file under --results-dir). A file a run is writing, or one
+    ending in an unfinished line, is named and left as it is."""
+    from pathlib import Path
+
+    from bench.records import pack, record_files, record_name
+
+    roots = [Path(p) for p in paths] or [Path(results_dir)]
+    missing = [str(r) for r in roots if not r.exists()]
+    if missing:
+        raise BenchError(f"no such file or folder: {', '.join(missing)}")
+    files = sorted({f for r in roots for f in ([record_name(r)] if r.is_file() else record_files(r, "**/*"))})
+    packed, saved, left = 0, 0, []
+    for path in files:
+        try:
+            result = pack(path)
+        except BenchError as exc:
+            left.append(str(exc))
+            continue
+        if result is not None:
+            packed, saved = packed + 1, saved + result
+    for why in left:
+        click.echo(f"left as it is: {why}", err=True)
+    click.echo(f"packed {packed} record files ({saved / 1e6:.1f} MB saved); {len(files) - packed - len(left)} were "
+               f"packed already; {len(left)} left as they are")
+
+
 @main.command(name="import")
 @click.argument("source")
 @click.option("--format", "fmt", required=True, help="the file's format: specbench (a model_answer .jsonl)")

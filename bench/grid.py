@@ -40,7 +40,7 @@ import click
 
 from bench.core.errors import BenchError
 from bench.core.options import option_pairs
-from bench.records import BASELINE, RunFile, check_tag, records_path, revision_tag
+from bench.records import BASELINE, RunFile, check_tag, has_records, records_path, revision_tag, stored_file
 from bench.tune import AUTO, check_tuned_drafter, parse_budget, tuned_budget
 
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
@@ -94,18 +94,19 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
     while True:
         candidate = revision_tag(tag, revision)
         pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted))
-        if all(not path.exists() or _first_settings(path) == settings for path, settings in pairs):
+        if all(not has_records(path) or _first_settings(path) == settings for path, settings in pairs):
             return candidate
         revision += 1
 
 
 def _done_keys(path: Path) -> set[tuple[str, int]]:
     """The (question, turn) keys a record file holds (bench.records' rule)."""
-    return RunFile(path).keys if path.exists() else set()
+    return RunFile(path).keys if has_records(path) else set()
 
 
 def _set_aside(path: Path, why: str) -> None:
     """Move a record file to `<file>.<why>[.N]`: kept, not read by reports, and its cell runs again."""
+    path = stored_file(path) or path  # a packed file is set aside packed
     aside, number = path.with_name(f"{path.name}.{why}"), 1
     while aside.exists():
         number += 1
@@ -117,7 +118,7 @@ def set_aside_if_contended(path: Path) -> int:
     """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
     from bench.tables import contended_turns
 
-    if not path.exists():
+    if not has_records(path):
         return 0
     slow = len(contended_turns(RunFile(path).pooled))
     if slow:
@@ -131,7 +132,7 @@ def set_aside_if_stale(path: Path, base_path: Path) -> float | None:
     `<file>.stale[.N]`; returns the minutes between them when it did, else None."""
     from bench.tables import BASELINE_AGE_MINUTES, baseline_age
 
-    if not path.exists() or not base_path.exists():
+    if not has_records(path) or not has_records(base_path):
         return None
     minutes = baseline_age(RunFile(path), RunFile(base_path))
     if minutes is None or abs(minutes) <= BASELINE_AGE_MINUTES:

@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 
 from bench.core.errors import BenchError
-from bench.records import BASELINE, RunFile
+from bench.records import BASELINE, RunFile, has_records, record_bytes
 from bench.run import RunSettings, decode_pass
 from tasks import Question
 
@@ -72,7 +72,7 @@ class CellJob:
 
     def whole(self, side: str) -> bool:
         path = self.paths[side]
-        return path.exists() and self.keys <= RunFile(path).keys
+        return has_records(path) and self.keys <= RunFile(path).keys
 
 
 def decode_cell(settings: RunSettings, questions: list[Question], content: dict[str, bytes],
@@ -149,7 +149,7 @@ class RayCells:
         for run_file in files.values():
             if not job.keys <= run_file.keys:
                 run_file.claim()  # locked until this process ends; a crashed run's cut line is dropped first
-        content = {side: path.read_bytes() if path.exists() else b"" for side, path in job.paths.items()}
+        content = {side: record_bytes(path) if has_records(path) else b"" for side, path in job.paths.items()}
         # The worker names the records by the task's recorded name (its folder): a custom task file is not there.
         settings = replace(job.settings, device=self.device, task=job.paths[BASELINE].parent.name)
         return self.remote.remote(settings, job.questions, content, self.threads), files

@@ -46,6 +46,114 @@ def records_path(results_dir: Path, target: str, task: str, method: str, tag: st
     return Path(results_dir) / target / task / f"{name}.jsonl"
 
 
+# ---------------------------------------------------------------- packed record files
+#
+# A finished record file may be stored gzip'd beside its name, `<name>.jsonl.gz` (`bench pack`:
+# byte for byte, so every rule of reading holds as before). It is still the record file
+# `<name>.jsonl` everywhere: found by record_files, read by RunFile, and unpacked by the run
+# that claims it to append. Where both exist, the plain file is the live one.
+
+PACKED_SUFFIX = ".gz"
+
+
+def packed_path(path: Path) -> Path:
+    """Where a record file `<name>.jsonl` is kept packed."""
+    return Path(path).with_name(Path(path).name + PACKED_SUFFIX)
+
+
+def record_name(path: Path) -> Path:
+    """A record file's own name (`<name>.jsonl`) for the file or its packed copy."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(PACKED_SUFFIX)) if path.name.endswith(".jsonl.gz") else path
+
+
+def stored_file(path: Path) -> Path | None:
+    """The file that holds a record file's lines: itself, else its packed copy; None if neither."""
+    return next((p for p in (Path(path), packed_path(path)) if p.exists()), None)
+
+
+def has_records(path: Path) -> bool:
+    return stored_file(path) is not None
+
+
+def record_files(root: Path, pattern: str = "*") -> list[Path]:
+    """The record files under `root` matching `pattern` (a glob without the `.jsonl`), packed
+    or not, each once by its own name."""
+    root = Path(root)
+    return sorted({*root.glob(pattern + ".jsonl"), *(record_name(p) for p in root.glob(pattern + ".jsonl.gz"))})
+
+
+def record_bytes(path: Path) -> bytes:
+    """A record file's lines as stored (unpacked); FileNotFoundError when neither file exists.
+    A damaged packed copy raises OSError, as an unreadable file does."""
+    import gzip
+    import zlib
+
+    stored = stored_file(path)
+    if stored is None:
+        raise FileNotFoundError(2, "no such file", str(path))
+    if stored == Path(path):
+        return stored.read_bytes()
+    try:
+        return gzip.decompress(stored.read_bytes())
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise OSError(f"{stored.name} is not a whole gzip file ({exc})") from None
+
+
+def _replace_durably(dest: Path, data: bytes) -> None:
+    """Write `data` to `dest` through a temporary file, fsync'd, so `dest` is whole or absent."""
+    tmp = dest.with_name(f".{dest.name}.partial")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, dest)
+
+
+def pack(path: Path) -> int | None:
+    """Store a finished record file gzip'd (`<name>.jsonl.gz`, byte-exact, deterministic, so a
+    repack changes nothing) and remove the plain one; returns the bytes saved, or None when
+    there was no plain file. Takes the file's lock first: a file a run is writing is refused,
+    and so is one whose last line is unfinished (`bench run` again repairs or finishes it)."""
+    import gzip
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    key = str(path.with_name(path.name + ".lock").resolve())
+    held = key in _HELD
+    _lock(path)
+    try:
+        data = path.read_bytes()
+        first = parse_jsonl(data[:data.find(b"\n") + 1]).rows
+        if not first or first[0][1].get("type") != "header":
+            raise BenchError(f"{path} is not a run record file (its first line is no header)")
+        if parse_jsonl(data, growing=True).unfinished:
+            raise BenchError(f"{path} ends in an unfinished line (a run cut by a crash); run it again before packing")
+        packed = gzip.compress(data, compresslevel=9, mtime=0)
+        if gzip.decompress(packed) != data:
+            raise BenchError(f"internal: {path} did not read back from gzip")
+        _replace_durably(packed_path(path), packed)
+        path.unlink()
+    except OSError as exc:
+        raise BenchError(f"cannot pack {path}: {exc.strerror or exc}") from None
+    finally:
+        if not held:  # a lock this call took goes with it: a pack of many files holds one at a time
+            os.close(_HELD.pop(key))
+    return len(data) - len(packed)
+
+
+def _unpack(path: Path) -> None:
+    """Make a packed record file plain again (under its lock) so a run can append to it."""
+    if path.exists() or not packed_path(path).exists():
+        return
+    try:
+        _replace_durably(path, record_bytes(path))
+        packed_path(path).unlink()
+    except OSError as exc:
+        raise BenchError(f"cannot unpack {packed_path(path)} to resume it: {exc.strerror or exc}") from None
+
+
 # ---------------------------------------------------------------- tag grammar
 #
 # A record file is `<method>[-<tag>].jsonl`; a tag is `<series>[.r<N>][.rep<k>]`:
@@ -288,7 +396,7 @@ class RunFile:
         """`sink`: where written lines go instead of the file, which is then neither read
         nor locked: its `content` is what another process (bench.grid_ray's driver, which
         holds the lock) read from it, and that process appends the lines (add_lines)."""
-        self.path = Path(path)
+        self.path = record_name(path)  # a packed file is read as the record file it holds
         self.target, self.task = self.path.parent.parent.name, self.path.parent.name
         # Compare settings as they read back from JSON (tuples become lists, keys strings).
         self._wanted = None if settings is None else json.loads(json.dumps(settings))
@@ -368,7 +476,7 @@ class RunFile:
         self.__dict__.pop("pooled", None)
         self.__dict__.pop("method", None)
         try:
-            raw = self._content if self._sink is not None else self.path.read_bytes()
+            raw = self._content if self._sink is not None else record_bytes(self.path)
         except FileNotFoundError:
             if missing_ok:
                 return
@@ -379,6 +487,9 @@ class RunFile:
                 raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
             self.problems.append(Problem("unreadable", str(self.path), exc.strerror or str(exc)))
             return
+        if self._sink is None and self.path.exists() and packed_path(self.path).exists():
+            self.problems.append(Problem("packed copy", str(packed_path(self.path)), f"beside {self.path.name}, "
+                                         "which is the file read; the packed copy is left out"))
         lines = parse_jsonl(raw, growing=True)
         if lines.unfinished:
             if repair:
@@ -455,6 +566,7 @@ class RunFile:
             self._claimed = self._header_due = True
             return
         _lock(self.path)
+        _unpack(self.path)
         self._claimed = True
         self._read(repair=True, missing_ok=True)
         self._check_settings()

@@ -17,7 +17,7 @@ from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
-from bench.records import Problem
+from bench.records import Problem, record_files
 from bench.revisions import NEWEST, display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
@@ -145,7 +145,7 @@ STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag'
 def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
     """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>-<run>, or the older
     scale-<tokens>) where results_dir has them."""
-    tags = sorted({p.stem.split("-", 1)[1] for p in Path(results_dir).glob("*/*/*-scale-*.jsonl")})
+    tags = sorted({p.stem.split("-", 1)[1] for p in record_files(Path(results_dir), "*/*/*-scale-*")})
     if not tags:
         return None
     try:

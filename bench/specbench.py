@@ -47,7 +47,7 @@ from pathlib import Path
 from bench import metrics
 from bench.core.errors import BenchError
 from bench.core.jsonl import parse_jsonl
-from bench.records import BASELINE, RunFile, check_tag, records_path, split_repeat, turn_problem
+from bench.records import BASELINE, RunFile, check_tag, has_records, records_path, split_repeat, turn_problem
 
 FORMAT = "specbench"
 FORMATS = (FORMAT,)  # the answer-file formats `bench export` / `bench import` know
@@ -254,7 +254,7 @@ def export_run(path: Path, out: Path, baseline_out: Path | None = None) -> Expor
         files, base = {out: _jsonl(_answers(run, questions))}, None
     else:
         base_file = run.path.with_name(f"{BASELINE}-{run.tag}.jsonl" if run.tag else f"{BASELINE}.jsonl")
-        if not base_file.exists():
+        if not has_records(base_file):
             raise BenchError(f"no baseline {base_file.name} beside {run.path}: Spec-Bench's speedup needs the "
                              "baseline's answers")
         base = _read_run(base_file)
@@ -419,7 +419,7 @@ def import_answers(source: Path, results_dir: Path, target: str, task: str, meth
         check_tag(series if series or repeat == 1 else None)
     answers = read_answers(Path(source))
     dest = records_path(Path(results_dir), target, task, method, tag)
-    if dest.exists():
+    if has_records(dest):
         raise BenchError(f"{dest} already exists; import under another --tag (records are never overwritten)")
     turns = [turn for row in answers.rows for turn in _turns(row)]
     unsplit = sum(1 for row in answers.rows if "accept_lengths" in row["choices"][0]

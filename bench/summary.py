@@ -13,7 +13,7 @@ import click
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, parse_tag, pool_repeats, read_run
+from bench.records import BASELINE, Problem, parse_tag, pool_repeats, read_run, record_files
 from bench.tables import RESULTS_README, contended_turns, update_readme
 
 
@@ -46,7 +46,7 @@ def series_files(task_dir: Path, tag: str | None) -> dict[str, dict[int, list[tu
     """{method: {revision: [(repeat, record file)]}} of one series in a task folder: its
     revisions (`grid.r2`, bench.grid) and their repeats."""
     found: dict[str, dict[int, list[tuple[int, Path]]]] = {}
-    for path in sorted(task_dir.glob("*.jsonl")):
+    for path in record_files(task_dir):
         method, _, file_tag = path.stem.partition("-")
         series, revision, repeat = parse_tag(file_tag)
         if series == (tag or ""):

@@ -29,7 +29,7 @@ import pandas as pd
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run, scaling_run
+from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run, record_files, scaling_run
 from bench.specbench import speedup_specbench
 
 CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
@@ -90,7 +90,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
         for task_dir in sorted(d for d in target_dir.iterdir() if d.is_dir()):
             if not _selected(task_dir.name, tasks):
                 continue
-            for path in sorted(task_dir.glob("*.jsonl")):
+            for path in record_files(task_dir):
                 file_problems: list[Problem] = []
                 run = read_run(path, file_problems)
                 method, _, tag = path.stem.partition("-")  # a file left out still counts as seen
@@ -127,7 +127,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
 
 def _is_target_dir(folder: Path) -> bool:
     """results/<target>/ holds task folders of .jsonl records or a profile (results/gpu/ does not)."""
-    return folder.is_dir() and (any(folder.glob("*/*.jsonl")) or (folder / "profile").is_dir())
+    return folder.is_dir() and (any(record_files(folder, "*/*")) or (folder / "profile").is_dir())
 
 
 def _read_profiles(target_dir: Path, problems: list[Problem]) -> list[dict]:

@@ -103,10 +103,10 @@ def write_record(out: str, name: str, result: dict) -> Path:
 
 def latest_records(target_name: str, task: str, method: str, tag: str) -> Path:
     """The newest revision of a method's records of `tag` for a task."""
-    from bench.records import split_revision
+    from bench.records import record_files, split_revision
 
     folder = Path("results", target_name, task)
-    found = sorted(folder.glob(f"{method}-{tag}.jsonl")) + sorted(folder.glob(f"{method}-{tag}.r*.jsonl"))
+    found = record_files(folder, f"{method}-{tag}") + record_files(folder, f"{method}-{tag}.r*")
     if not found:
         raise click.ClickException(f"no {method} records of tag '{tag}' for {task}")
     return max(found, key=lambda p: split_revision(p.name[len(method) + 1:-len(".jsonl")])[1])

@@ -113,9 +113,10 @@ def _scaling_runs(methods, tasks, out_dirs, max_new_tokens, results_dir, report_
 def _report(results_dir, report_dir, tasks, methods, tags, compare) -> dict:
     """The scaling report of `tags` and of every scaling run kept in results_dir, not only this
     call's, so that the report of one method's runs keeps the other methods' lines."""
+    from bench.records import record_files
     from bench.report import make_report
 
-    files = list(Path(results_dir).glob("*/*/*-scale-*.jsonl"))
+    files = record_files(Path(results_dir), "*/*/*-scale-*")
     if not files and not tags:
         raise BenchError(f"no scaling runs in {results_dir} (make scaling-runs)")
     kept = {tuple(p.stem.split("-scale-", 1)) for p in files}

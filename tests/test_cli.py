@@ -148,3 +148,20 @@ def test_the_harness_keeps_openmp_workers_spinning_unless_told_otherwise(given, 
     code = "import os, bench, torch; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_pack_stores_finished_records_and_names_what_it_leaves(tmp_path):
+    from report_helpers import write_clean
+
+    results = tmp_path / "results"
+    write_clean(results)
+    cut = results / "tiny" / "mtbench" / "pld-t.jsonl"
+    cut.write_bytes(cut.read_bytes() + b'{"type": "turn"')  # a run cut by a crash: not finished
+    result = invoke("pack", "--results-dir", str(results))
+    assert result.exit_code == 0, result.output
+    assert "packed 3 record files" in result.stdout and "1 left as they are" in result.stdout
+    assert "pld-t.jsonl ends in an unfinished line" in result.stderr
+    assert cut.exists() and len(list(results.glob("*/*/*.jsonl.gz"))) == 3
+    again = invoke("pack", "--results-dir", str(results))
+    assert "packed 0 record files" in again.stdout and "3 were packed already" in again.stdout
+    assert_bad_input(invoke("pack", str(tmp_path / "nowhere")), "no such file or folder")

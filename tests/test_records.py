@@ -277,3 +277,90 @@ def test_two_runs_never_write_one_file(path):
         reader.add_turn(turn("q1", 1, [9]))
     reader.add_turn(turn("q2", 1, [3]))
     assert [(t["question_id"], t["turn"]) for t in read_records(path)[1]] == [("q1", 1), ("q2", 1)]
+
+
+# --- packed record files (bench pack) -----------------------------------------------------------
+
+
+def test_a_packed_record_file_reads_as_before_and_resumes_unpacked(path):
+    import gzip
+
+    from bench.records import has_records, pack, packed_path, record_files
+
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1, 2]))
+    plain = path.read_bytes()
+    saved = pack(path)
+    assert not path.exists() and gzip.decompress(packed_path(path).read_bytes()) == plain
+    assert saved == len(plain) - packed_path(path).stat().st_size and pack(path) is None  # nothing left to pack
+    assert has_records(path) and record_files(path.parent) == [path]  # found by its own name
+    for name in (path, packed_path(path)):  # read as the record file it holds, by either name
+        run = RunFile(name)
+        assert run.path == path and run.method == "ar" and run.keys == {("q1", 1)} and not run.problems
+
+    resumed = RunFile(path, SETTINGS, "cpu")  # a run that appends unpacks it first
+    assert resumed.done("q1", 1)["tokens"] == [1, 2]
+    resumed.add_turn(turn("q2", 1, [3]))
+    assert not packed_path(path).exists() and path.read_bytes().startswith(plain)
+    assert [(t["question_id"], t["turn"]) for t in read_records(path)[1]] == [("q1", 1), ("q2", 1)]
+
+
+def test_packing_is_deterministic(path):
+    from bench.records import pack, packed_path
+
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1, 2]))
+    plain = path.read_bytes()
+    pack(path)
+    first = packed_path(path).read_bytes()
+    packed_path(path).unlink()
+    path.write_bytes(plain)
+    pack(path)
+    assert packed_path(path).read_bytes() == first  # a repack changes nothing git would see
+
+
+def test_pack_refuses_unfinished_files_and_other_jsonl(path):
+    from bench.records import pack
+
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1, 2]))
+    with open(path, "ab") as handle:
+        handle.write(b'{"type": "turn", "question_id"')
+    with pytest.raises(BenchError, match="unfinished line"):
+        pack(path)
+    log = path.with_name("log.jsonl")
+    log.write_text('{"step": 1}\n')
+    with pytest.raises(BenchError, match="not a run record file"):
+        pack(log)
+    assert path.exists() and log.exists()  # both left as they were
+
+
+def test_a_damaged_packed_file_is_reported_and_a_stale_copy_named(path):
+    from bench.records import pack, packed_path
+
+    RunFile(path, SETTINGS, "cpu").add_turn(turn("q1", 1, [1, 2]))
+    plain = path.read_bytes()
+    pack(path)
+    packed = packed_path(path)
+    packed.write_bytes(packed.read_bytes()[:-12])  # cut short
+    run = RunFile(path)
+    assert not run.turns and [p.kind for p in run.problems] == ["unreadable"]
+    assert "not a whole gzip file" in run.problems[0].detail
+    path.write_bytes(plain)  # a plain file beside it is the one read
+    run = RunFile(path)
+    assert run.keys == {("q1", 1)} and [p.kind for p in run.problems] == ["packed copy"]
+
+
+def test_reports_read_packed_records_as_plain_ones(tmp_path):
+    from report_helpers import write_clean
+
+    from bench.records import pack, record_files
+    from bench.tables import load_records
+
+    results = tmp_path / "results"
+    write_clean(results)
+    before = load_records(results)
+    for file in record_files(results, "*/*/*"):
+        pack(file)
+    after = load_records(results)
+    assert not list(results.glob("*/*/*.jsonl")) and len(list(results.glob("*/*/*.jsonl.gz"))) == 4
+    assert [(r.path, r.turns, r.headers) for r in after.runs] == [(r.path, r.turns, r.headers) for r in before.runs]
+    assert after.problems == before.problems

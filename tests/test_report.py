@@ -4,6 +4,7 @@ out by hand (tests/report_helpers.py). No model is loaded."""
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import math
@@ -909,3 +910,39 @@ def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypat
     figure = training_curves(list(logs.values()), tmp_path / "figures")
     assert isinstance(figure, Figured) and figure.png.stat().st_size > 0
     assert isinstance(training_curves([], tmp_path / "figures"), Skipped)
+
+
+def test_grid_skips_packed_cells_resumes_them_and_sets_them_aside(tmp_path, tiny_task, fake_bench):
+    from bench.grid import run_grid
+    from bench.records import pack, record_files
+    from tasks import task_name
+
+    results = tmp_path / "results"
+    plan = {str(tiny_task): {}}
+    folder = results / TARGET / task_name(str(tiny_task))
+
+    def grid(**kw) -> dict:
+        return {c.method: c for c in run_grid(plan, ["pld"], "grid", str(results), 8, echo=lambda line: None, **kw)}
+
+    assert grid()["pld"].status == "ran"
+    for file in record_files(folder):
+        pack(file)
+    assert grid()["pld"].status == "up to date (skipped)" and fake_bench == ["grid"]
+    stored = {p.name for p in folder.iterdir() if not p.name.endswith(".lock")}
+    assert stored == {"ar-grid.jsonl.gz", "pld-grid.jsonl.gz"}
+    # An unfinished packed cell (a turn lost) is unpacked and completed in place.
+    pld = folder / "pld-grid.jsonl"
+    text = gzip.decompress((folder / "pld-grid.jsonl.gz").read_bytes()).decode()
+    (folder / "pld-grid.jsonl.gz").write_bytes(gzip.compress("".join(text.splitlines(keepends=True)[:-1]).encode()))
+    assert grid()["pld"].status == "ran" and fake_bench[-1] == "grid"
+    assert pld.exists() and not (folder / "pld-grid.jsonl.gz").exists()
+    # A packed file with a contended turn is set aside packed, and its cell runs again.
+    lines = pld.read_text().splitlines(keepends=True)
+    slow = json.loads(lines[-1])
+    slow["utilization"]["util_mean"] = 20.0
+    pld.write_text("".join(lines[:-1]) + json.dumps(slow) + "\n")
+    pack(pld)
+    assert grid(remeasure_contended=True)["pld"].status == "ran"
+    aside = folder / "pld-grid.jsonl.gz.contended"
+    assert gzip.decompress(aside.read_bytes()).decode().endswith(json.dumps(slow) + "\n")
+    assert "contended" not in kinds(load_records(results, tags=("grid",)))
