@@ -484,7 +484,7 @@ class RunFile:
             return
         except OSError as exc:
             if self._wanted is not None:
-                raise BenchError(f"cannot resume {self.path}: {exc.strerror}") from None
+                raise BenchError(f"cannot resume {self.path}: {exc.strerror or exc}") from None
             self.problems.append(Problem("unreadable", str(self.path), exc.strerror or str(exc)))
             return
         if self._sink is None and self.path.exists() and packed_path(self.path).exists():

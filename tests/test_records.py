@@ -344,6 +344,8 @@ def test_a_damaged_packed_file_is_reported_and_a_stale_copy_named(path):
     run = RunFile(path)
     assert not run.turns and [p.kind for p in run.problems] == ["unreadable"]
     assert "not a whole gzip file" in run.problems[0].detail
+    with pytest.raises(BenchError, match=r"cannot resume .*not a whole gzip file"):  # a run stops, loses nothing
+        RunFile(path, SETTINGS, "cpu")
     path.write_bytes(plain)  # a plain file beside it is the one read
     run = RunFile(path)
     assert run.keys == {("q1", 1)} and [p.kind for p in run.problems] == ["packed copy"]
