@@ -45,8 +45,9 @@ def first_reply_tokens(mask: torch.Tensor, start: int, keep: int) -> torch.Tenso
 
 
 def _recorded_turns(records: Path) -> dict[tuple[str, int], dict]:
-    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-    return {(r["question_id"], r["turn"]): r for r in rows if r.get("type") == "turn"}
+    from bench.records import read_records
+
+    return {(t["question_id"], t["turn"]): t for t in read_records(records)[1]}
 
 
 def grid_turns(target, task: str, records: Path):

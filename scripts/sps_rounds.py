@@ -14,13 +14,12 @@ start and how much is a reply's opening.
 
 from __future__ import annotations
 
-import json
-
 import click
 import torch
 from torch import Tensor
 
 from bench.core.training import next_token_rounds, rounds_prediction
+from bench.records import RunFile
 from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
 
 
@@ -94,7 +93,7 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
     with torch.no_grad():
         for task in tasks:
             records = latest_records(target.name, task, "sps", tag)
-            header = json.loads(records.read_text().splitlines()[0])["settings"]["drafter"]
+            header = RunFile(records).settings["drafter"]
             gamma = header["gamma"]
             draft, info = load_draft_engine(target, folder, parse_dtype(header["draft_dtype"]))
             if info["weights_sha1"] != header["weights_sha1"]:
