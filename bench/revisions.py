@@ -9,11 +9,12 @@ with the settings that changed, so a report shows the old and the new numbers si
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
 
-from bench.records import BASELINE, RunFile, pool_repeats
+from bench.records import BASELINE, RunFile, parse_tag, pool_repeats
 from bench.tables import Records, summarize
 
 NEWEST = "(newest)"
@@ -21,6 +22,13 @@ NEWEST = "(newest)"
 
 def _key(run: RunFile) -> tuple[str, str, str, str]:
     return run.target, run.series, run.task, run.method
+
+
+def _generation(run: RunFile) -> str:
+    """What a run was recorded with, less its task: the cells of one set of settings (one
+    drafter, sized alike) across tasks, whose revision numbers differ where a task was rerun
+    more often. A task has one revision per set of settings (bench.grid), so none is pooled twice."""
+    return json.dumps({k: v for k, v in run.settings.items() if k not in ("task", "tag")}, sort_keys=True, default=str)
 
 
 def _changed(old: dict, new: dict) -> str:
@@ -46,23 +54,38 @@ def _summary(runs: list[RunFile], keys: set, by: str, baselines: list[RunFile]) 
 
 def revisions_table(records: Records, by: str = "task") -> pd.DataFrame:
     """One row per revision (older ones, then the newest) of every method whose records have a
-    superseded revision. by="overall": turns pooled over the tasks each revision covers."""
+    superseded revision. by="overall": one row per generation of a method (its settings but the
+    task: one drafter), turns pooled over the tasks it covers, labelled by the revisions it ran
+    under (a task rerun more often than another numbers the same drafter's cells higher)."""
     keys = {_key(r) for r in records.superseded if r.method != BASELINE}
     if not keys:
         return pd.DataFrame()
     newest = {_key(r): r for r in records.runs}
     every = records.runs + records.superseded
     frames = []
-    for revision in sorted({r.revision for r in records.superseded}):
-        frame = _summary([r for r in records.superseded if r.revision == revision], keys, by, every)
-        if frame.empty:
-            continue
-        frame["records"] = [f"{s}.r{revision}" if revision > 1 else s for s in frame.series]
-        if by == "task":
+    if by == "task":
+        for revision in sorted({r.revision for r in records.superseded}):
+            frame = _summary([r for r in records.superseded if r.revision == revision], keys, by, every)
+            if frame.empty:
+                continue
+            frame["records"] = [f"{s}.r{revision}" if revision > 1 else s for s in frame.series]
             old = {_key(r): r for r in records.superseded if r.revision == revision}
             frame["changed"] = [_changed(old[k].settings, newest[k].settings) if k in newest else "no newer revision"
                                 for k in zip(frame.target, frame.series, frame.task, frame.method)]
-        frames.append(frame.assign(order=revision))
+            frames.append(frame.assign(order=revision))
+    else:  # pooled: one row per generation (settings less the task), whatever its revision number per task
+        generations: dict[tuple, list[RunFile]] = {}
+        for run in records.superseded:
+            if run.method != BASELINE and _key(run) in keys:
+                generations.setdefault((run.target, run.series, run.method, _generation(run)), []).append(run)
+        def age(runs: list[RunFile]) -> tuple[int, int]:  # oldest first: by the revisions it ran under
+            return min(r.revision for r in runs), max(r.revision for r in runs)
+
+        for rank, runs in enumerate(sorted(generations.values(), key=age)):
+            frame = _summary(runs, {_key(r) for r in runs}, by, every)
+            if not frame.empty:
+                frame["records"] = ", ".join(sorted({r.tag for r in runs}, key=lambda t: (parse_tag(t), t)))
+                frames.append(frame.assign(order=rank))
     tags = {(k[0], k[1], k[3]): set() for k in keys}
     for key in keys:
         if key in newest:

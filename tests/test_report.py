@@ -118,6 +118,26 @@ def test_bad_records_are_reported_and_nothing_else_is_lost(tmp_path):
     assert "no baseline" in row(display_table(per_task), method="sps")["speedup [95% CI]"]
 
 
+def test_pooled_revisions_follow_the_drafter_not_the_revision_number(tmp_path):
+    """A task rerun more often numbers the same drafter's cells higher (MT-bench's grid.r3 is
+    GSM8K's grid.r2): the pooled rows group cells by their settings, never across drafters."""
+    from bench.revisions import display_revisions, revisions_table
+
+    write_clean(tmp_path, tag="grid")
+    mt_keys = [("1", 1), ("1", 2), ("2", 1), ("2", 2)]
+    drafters = {name: {"sha": name, "trained_tokens": tokens} for name, tokens in
+                (("a", 200_000), ("b", 1_000_000), ("c", 5_000_000))}
+    for task, keys, revisions in (("mtbench", mt_keys, ("a", "b", "c")), ("gsm8k", [("1", 1)], ("b", "c"))):
+        for number, name in enumerate(revisions, start=2):
+            write_run(tmp_path, task, "ar", f"grid.r{number}", [turn(q, n) for q, n in keys])
+            write_run(tmp_path, task, "pld", f"grid.r{number}", [turn(q, n, decode=0.5) for q, n in keys],
+                      drafter=drafters[name])
+    overall = display_revisions(revisions_table(load_records(tmp_path, tags=("grid",)), "overall"))
+    assert list(zip(overall.records, overall.turns, overall["drafter trained on"])) == [
+        ("grid", 5, "-"), ("grid.r2", 4, "0.20M tokens"), ("grid.r2, grid.r3", 5, "1.00M tokens"),
+        ("grid.r3, grid.r4", 5, "5.00M tokens")]
+
+
 def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
     write_clean(tmp_path, tag="grid")
     write_run(tmp_path, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
