@@ -364,10 +364,6 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
 def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, results_dir) -> None:
     """Measure the target's verification latency t_v(k) and the drafters' step costs on
     this device, and store them."""
-    from pathlib import Path
-
-    import torch
-
     from bench.core.costs import format_profile, profile_path, verify_latency
     from bench.core.target import default_device, load_target, resolve_dtype
     from bench.records import provenance
@@ -399,10 +395,9 @@ def profile(target, device, dtype, context, ks, trees, repeats, drafters, hf, re
     record = {"target": loaded.name, "fingerprint": loaded.fingerprint, "dtype": dtype, "repeats": repeats,
               "provenance": provenance(device), **result}
     # The record goes to results/; the copy in the cache is what methods read (bench.core.costs).
-    from bench.core.provenance import machine_key
+    from bench.profile import kept_profile_path
 
-    kept = Path(results_dir) / loaded.name / "profile" / (
-        f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json")
+    kept = kept_profile_path(results_dir, loaded)
     cached = profile_path(loaded.name, device.split(":")[0], str(loaded.engine.dtype).removeprefix("torch."))
     for path in (kept, cached):
         try:
@@ -453,6 +448,10 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
     check_device(device)
     device = device or default_device()
     loaded = load_target(target, device, resolve_dtype(dtype, device))
+    from bench.profile import seed_profile_cache
+
+    if (seeded := seed_profile_cache(results_dir, loaded)) is not None:
+        click.echo(f"t_v(k) for auto-sized drafts: this machine's kept profile, copied to {seeded}")
     questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
     prompts = [p for p in (chat_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
                            for text in tuning_prompts(questions)) if len(p) <= 512][:prompt_count]

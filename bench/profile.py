@@ -3,7 +3,43 @@ round on this device, through the shared loop."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 PROFILE_PROMPT = "Write a python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def kept_profile_path(results_dir: str | Path, target) -> Path:
+    """This machine's `bench profile` record under results/ (device, dtype, CPU tier, torch threads)."""
+    import torch
+
+    from bench.core.provenance import machine_key
+
+    device = str(target.engine.device)
+    dtype = str(target.engine.dtype).removeprefix("torch.")
+    name = f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json"
+    return Path(results_dir) / target.name / "profile" / name
+
+
+def seed_profile_cache(results_dir: str | Path, target) -> Path | None:
+    """Copy this machine's kept profile record into the cache methods read t_v(k) from
+    (bench.core.costs.profile_path) when the cache has none, as on a fresh machine of a kind
+    profiled before: a choice made from t_v(k) (Medusa's auto-sized tree) is then the same at
+    every build of a run, a grid and a tuning, not a few seconds of timing each. The reader
+    still checks weights, dtype, machine and threads. Returns the copy, or None."""
+    from bench.core.costs import profile_path
+
+    kept = kept_profile_path(results_dir, target)
+    cached = profile_path(target.name, target.engine.device.type, str(target.engine.dtype).removeprefix("torch."))
+    if cached.exists() or not kept.is_file():
+        return None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_bytes(kept.read_bytes())
+        tmp.replace(cached)
+    except OSError:  # an unwritable cache: the methods time t_v(k) themselves, as before
+        return None
+    return cached
 
 
 def drafter_costs(target, names: list[str], new_tokens: int = 48, progress: bool = False) -> list[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -336,6 +337,13 @@ def decode_pass(settings: RunSettings, questions: list[Question], sink: Sink | N
     from bench.registry import build_decoder, resolve_options
 
     target = load_target(settings.target, settings.device, settings.dtype)
+    if sink is None:
+        from bench.profile import seed_profile_cache
+
+        seeded = seed_profile_cache(settings.results_dir, target)
+        if seeded is not None:
+            print(f"[bench] t_v(k) for auto-sized drafts: this machine's kept profile, copied to {seeded}",
+                  file=sys.stderr)
     tuned = None
     if settings.budget == AUTO:
         budget, tuned = tuned_budget(settings.results_dir, target, settings.method)

@@ -136,6 +136,39 @@ def test_stored_chain_costs_only_from_this_machine(tmp_path, monkeypatch):
     assert stored_chain_costs(target, 4, tmp_path / "elsewhere.json") == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])
 
 
+def test_a_fresh_machine_reads_its_kept_profile_not_seconds_of_timing(tmp_path, monkeypatch):
+    """A cache without a profile (a fresh machine of a kind profiled before) gets this machine's
+    record from results/ at a run's or a tuning's start, so Medusa's auto tree is the same size
+    in every cell of a grid; an existing cache copy, or another machine's record, is left alone."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from bench.core.costs import profile_path, stored_chain_costs
+    from bench.core.provenance import device_name
+    from bench.profile import kept_profile_path, seed_profile_cache
+
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    target = SimpleNamespace(name="tiny", fingerprint="f1",
+                             engine=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
+    results = tmp_path / "results"
+    assert seed_profile_cache(results, target) is None  # nothing kept for this machine: methods time it
+    kept = kept_profile_path(results, target)
+    assert kept.parent == results / "tiny" / "profile" and kept.name.endswith(f"-t{torch.get_num_threads()}.json")
+    rows = [{"kind": "chain", "k": 1, "median_s": 0.01}, {"kind": "chain", "k": 4, "median_s": 0.04}]
+    provenance = {"device_name": device_name("cpu"), "torch_threads": torch.get_num_threads()}
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps({"fingerprint": "f1", "dtype": "float32", "rows": rows, "provenance": provenance}))
+    (kept.parent / "cpu-float32-another-machine-t2.json").write_text("{}")
+    assert stored_chain_costs(target, 4) is None
+    assert seed_profile_cache(results, target) == profile_path("tiny", "cpu", "float32")
+    assert stored_chain_costs(target, 4) == pytest.approx([0.01, 0.01, 0.02, 0.03, 0.04])
+    kept.write_text("{}")  # the cache's copy is this machine's own from then on
+    assert seed_profile_cache(results, target) is None and stored_chain_costs(target, 4) is not None
+
+
 def test_hf_generate_step_is_timed_on_the_same_weights_and_reported(default_target, one_thread):
     from bench.core.costs import hf_generate_step
 
