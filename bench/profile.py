@@ -10,14 +10,9 @@ PROFILE_PROMPT = "Write a python function that returns the n-th Fibonacci number
 
 def kept_profile_path(results_dir: str | Path, target) -> Path:
     """This machine's `bench profile` record under results/ (device, dtype, CPU tier, torch threads)."""
-    import torch
+    from bench.core.provenance import machine_file_name
 
-    from bench.core.provenance import machine_key
-
-    device = str(target.engine.device)
-    dtype = str(target.engine.dtype).removeprefix("torch.")
-    name = f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json"
-    return Path(results_dir) / target.name / "profile" / name
+    return Path(results_dir) / target.name / "profile" / machine_file_name(target)
 
 
 def seed_profile_cache(results_dir: str | Path, target) -> Path | None:

@@ -31,6 +31,11 @@ def _generation(run: RunFile) -> str:
     return json.dumps({k: v for k, v in run.settings.items() if k not in ("task", "tag")}, sort_keys=True, default=str)
 
 
+def _age(runs: list[RunFile]) -> tuple[int, int]:
+    """Oldest generation first: by the revisions its runs were recorded under."""
+    return min(r.revision for r in runs), max(r.revision for r in runs)
+
+
 def _changed(old: dict, new: dict) -> str:
     """The top-level settings that differ (a retrained drafter shows as `drafter`)."""
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in ("tag", "git_sha"))
@@ -78,10 +83,7 @@ def revisions_table(records: Records, by: str = "task") -> pd.DataFrame:
         for run in records.superseded:
             if run.method != BASELINE and _key(run) in keys:
                 generations.setdefault((run.target, run.series, run.method, _generation(run)), []).append(run)
-        def age(runs: list[RunFile]) -> tuple[int, int]:  # oldest first: by the revisions it ran under
-            return min(r.revision for r in runs), max(r.revision for r in runs)
-
-        for rank, runs in enumerate(sorted(generations.values(), key=age)):
+        for rank, runs in enumerate(sorted(generations.values(), key=_age)):
             frame = _summary(runs, {_key(r) for r in runs}, by, every)
             if not frame.empty:
                 frame["records"] = ", ".join(sorted({r.tag for r in runs}, key=lambda t: (parse_tag(t), t)))

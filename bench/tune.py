@@ -45,14 +45,9 @@ def parse_budget(value) -> int | str | None:
 
 def tuning_path(results_dir: str | Path, target) -> Path:
     """This machine's tuning record for `target` (device, dtype, CPU tier, torch threads)."""
-    import torch
+    from bench.core.provenance import machine_file_name
 
-    from bench.core.provenance import machine_key
-
-    device = str(target.engine.device)
-    dtype = str(target.engine.dtype).removeprefix("torch.")
-    name = f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json"
-    return Path(results_dir) / target.name / "tune" / name
+    return Path(results_dir) / target.name / "tune" / machine_file_name(target)
 
 
 def _read(path: Path) -> dict | None:

@@ -81,6 +81,14 @@ def machine_key(device: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
+def machine_file_name(target) -> str:
+    """`<device>-<dtype>-<machine key>-t<torch threads>.json`: the name of a record kept per machine
+    (a `bench profile`, a `bench tune`) for a loaded target."""
+    device = str(target.engine.device)
+    dtype = str(target.engine.dtype).removeprefix("torch.")
+    return f"{device.split(':')[0]}-{dtype}-{machine_key(device)}-t{torch.get_num_threads()}.json"
+
+
 def provenance(device: str) -> dict:
     versions = {}
     for name in PACKAGES:
