@@ -27,11 +27,11 @@ def seed_profile_cache(results_dir: str | Path, target) -> Path | None:
     cached = profile_path(target.name, target.engine.device.type, str(target.engine.dtype).removeprefix("torch."))
     if cached.exists() or not kept.is_file():
         return None
+    from bench.core.files import write_bytes
+
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        tmp.write_bytes(kept.read_bytes())
-        tmp.replace(cached)
+        write_bytes(cached, kept.read_bytes())
     except OSError:  # an unwritable cache: the methods time t_v(k) themselves, as before
         return None
     return cached

@@ -30,6 +30,7 @@ from functools import cached_property
 from pathlib import Path
 
 from bench.core.errors import BenchError
+from bench.core.files import write_bytes
 from bench.core.jsonl import parse_jsonl
 from bench.core.provenance import provenance
 
@@ -100,16 +101,6 @@ def record_bytes(path: Path) -> bytes:
         raise OSError(f"{stored.name} is not a whole gzip file ({exc})") from None
 
 
-def _replace_durably(dest: Path, data: bytes) -> None:
-    """Write `data` to `dest` through a temporary file, fsync'd, so `dest` is whole or absent."""
-    tmp = dest.with_name(f".{dest.name}.partial")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, dest)
-
-
 def pack(path: Path) -> int | None:
     """Store a finished record file gzip'd (`<name>.jsonl.gz`, byte-exact, deterministic, so a
     repack changes nothing) and remove the plain one; returns the bytes saved, or None when
@@ -133,7 +124,7 @@ def pack(path: Path) -> int | None:
         packed = gzip.compress(data, compresslevel=9, mtime=0)
         if gzip.decompress(packed) != data:
             raise BenchError(f"internal: {path} did not read back from gzip")
-        _replace_durably(packed_path(path), packed)
+        write_bytes(packed_path(path), packed)
         path.unlink()
     except OSError as exc:
         raise BenchError(f"cannot pack {path}: {exc.strerror or exc}") from None
@@ -148,7 +139,7 @@ def _unpack(path: Path) -> None:
     if path.exists() or not packed_path(path).exists():
         return
     try:
-        _replace_durably(path, record_bytes(path))
+        write_bytes(path, record_bytes(path))
         packed_path(path).unlink()
     except OSError as exc:
         raise BenchError(f"cannot unpack {packed_path(path)} to resume it: {exc.strerror or exc}") from None

@@ -13,3 +13,15 @@ def write_json(path: Path, value: object) -> None:
     tmp = path.with_name("." + path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=1))
     os.replace(tmp, path)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """`data` at `path`, fsync'd in a temp file beside it before the rename (record files: a
+    crash leaves the old file or the new one, never a part)."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".partial")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
