@@ -3,6 +3,10 @@ CPU runs: each row's bits do not depend on the other rows of the call, a row's a
 not depend on where its visible slots sit, masked slots (NaN included) never reach a row, and
 the results stay close to fp32 references."""
 
+import shutil
+import subprocess
+import sysconfig
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,12 +18,37 @@ TIERS = [tier for tier, (needed, _) in cpu_kernels.TIERS.items() if needed <= cp
 pytestmark = pytest.mark.skipif(not TIERS or not cpu_kernels.enabled(), reason="no kernel tier on this CPU")
 
 
+COMPILER = shutil.which("c++")
+
+
+def built_or_skip(tier: str | None = None):
+    """The kernels of `tier`; skipped only where there is no compiler: with one, a build that
+    fails is a failure (an AMX-only compile error once hid behind a skip on AVX512 hosts)."""
+    built = cpu_kernels.kernels(tier)
+    if built is None:
+        if COMPILER:
+            pytest.fail(f"the {tier or cpu_kernels.cpu_tier()} kernels do not build with {COMPILER} (stderr says why)")
+        pytest.skip("no C++ compiler here")
+    return built
+
+
 @pytest.fixture(scope="module", params=TIERS)
 def kernels(request):
-    built = cpu_kernels.kernels(request.param)
-    if built is None:
-        pytest.skip(f"the {request.param} kernels do not build here")
-    return built
+    return built_or_skip(request.param)
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here")
+@pytest.mark.parametrize("tier", list(cpu_kernels.TIERS))
+def test_every_tier_compiles_on_any_host(tier):
+    """Each tier's source compiles (syntax and types only), whether or not this CPU runs it: a
+    host without AMX still checks the AMX branch."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    command = [COMPILER, "-fsyntax-only", "-std=c++20", "-fopenmp", *cpu_kernels.TIERS[tier][1], *includes,
+               "-DTORCH_EXTENSION_NAME=syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H", str(cpu_kernels.SOURCE)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_linear_rows_are_independent_and_close(kernels):
@@ -121,8 +150,7 @@ def test_engine_uses_the_kernels_and_stays_close_to_the_torch_path(default_targe
     from bench.core.engine import Engine
     from bench.core.target import load_state_dict
 
-    if cpu_kernels.kernels() is None:
-        pytest.skip("the kernels do not build here")
+    built_or_skip()
     state = load_state_dict(default_target.path)
     engine = Engine(default_target.config, state, dtype=torch.bfloat16)
     assert engine.kernels is not None and engine.cache_dtype == torch.bfloat16
@@ -164,8 +192,7 @@ def test_slot_attention_rows_equal_attention_alone(kernels):
 def test_packed_linear_matches_and_repacks_on_change():
     """cpu_kernels.linear: bf16 inference on the packed weight (the kernel's result, bias
     added), a weight changed in place repacked, and F.linear wherever a gradient is needed."""
-    if cpu_kernels.kernels() is None:
-        pytest.skip("no kernels here")
+    built_or_skip()
     layer = cpu_kernels.PackedLinear(40, 24).bfloat16().requires_grad_(False)
     x = torch.randn(3, 40).bfloat16()
     built = cpu_kernels.kernels()

@@ -221,25 +221,27 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
     });
   } else
 #endif
-  // The threads split (row chunk, group, tile of 4 rows) units, in that order: a weight with few
-  // groups (an o or down projection: 9 of them) still keeps both cores busy at 16 rows, and a
-  // thread's consecutive tiles of one group read its weights from cache.
-  // From 9 rows (3 tiles a group) each tile prefetches its share of the next group's weights, the
-  // group the thread takes next (but at the end of its range); fewer rows stream at the memory's
-  // pace and the hardware prefetcher serves them better (scripts.kernels_ab, AMD EPYC).
-  const int64_t tiles = (std::min(ROWS, m) + 3) / 4, chunks = (m + ROWS - 1) / ROWS;
-  const int64_t group_lines = stride * static_cast<int64_t>(sizeof(bf16)) / 64;
-  const int64_t per_step = (group_lines / steps + tiles - 1) / tiles, share = per_step * steps;
-  at::parallel_for(0, chunks * groups * tiles, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u % tiles, r = u / (groups * tiles) * ROWS + t * 4, g = u / tiles % groups;
-      const char* ahead = reinterpret_cast<const char*>(wp + (g + 1) % groups * stride) + t * share * 64;
-      const int64_t lines = tiles < 3 ? 0 : std::clamp<int64_t>(group_lines - t * share, 0, share);
-      if (r < m)
-        row_tile(xp + r * kp, kp, std::min<int64_t>(4, m - r), wp + g * stride, steps, yp + r * ld + g * GROUP, ld,
-                 ahead, lines, per_step);
-    }
-  });
+  {  // braced: the AMX branch's `else` takes this whole block, not its first declaration
+    // The threads split (row chunk, group, tile of 4 rows) units, in that order: a weight with few
+    // groups (an o or down projection: 9 of them) still keeps both cores busy at 16 rows, and a
+    // thread's consecutive tiles of one group read its weights from cache.
+    // From 9 rows (3 tiles a group) each tile prefetches its share of the next group's weights, the
+    // group the thread takes next (but at the end of its range); fewer rows stream at the memory's
+    // pace and the hardware prefetcher serves them better (scripts.kernels_ab, AMD EPYC).
+    const int64_t tiles = (std::min(ROWS, m) + 3) / 4, chunks = (m + ROWS - 1) / ROWS;
+    const int64_t group_lines = stride * static_cast<int64_t>(sizeof(bf16)) / 64;
+    const int64_t per_step = (group_lines / steps + tiles - 1) / tiles, share = per_step * steps;
+    at::parallel_for(0, chunks * groups * tiles, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t t = u % tiles, r = u / (groups * tiles) * ROWS + t * 4, g = u / tiles % groups;
+        const char* ahead = reinterpret_cast<const char*>(wp + (g + 1) % groups * stride) + t * share * 64;
+        const int64_t lines = tiles < 3 ? 0 : std::clamp<int64_t>(group_lines - t * share, 0, share);
+        if (r < m)
+          row_tile(xp + r * kp, kp, std::min<int64_t>(4, m - r), wp + g * stride, steps, yp + r * ld + g * GROUP, ld,
+                   ahead, lines, per_step);
+      }
+    });
+  }
   auto out = ld == n ? y : y.slice(1, 0, n);
   auto shape = x.sizes().vec();
   shape.back() = n;
