@@ -38,6 +38,7 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
             rows.append({"task": task_dir.name, "method": method, **row,
                          "nodes_per_round": sum(sum(t["tree_sizes"]) for t in sized) / rounds if rounds else 0.0,
                          "verified_per_accepted": nodes_per_accepted(turns),
+                         "threads": "/".join(map(str, sorted({t["_threads"] for t in turns if t.get("_threads")}))),
                          "contended": _contended(turns) + _contended(base)})
     return rows
 
@@ -107,6 +108,19 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
         lines.append(line)
     contended = [f"{row['task']} {row['method']}" + (f" [{row['tag']}]" if tags else "") + f" {row['contended']}"
                  for row in rows if row.get("contended")]
+    by_threads: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("threads"):
+            series = f"{row['method']}" + (f" [{row['tag']}]" if tags else "")
+            alike = {other.get("threads") for other in rows
+                     if other["method"] == row["method"] and other.get("tag") == row.get("tag")} == {row["threads"]}
+            label = series if alike else f"{row['task']} {series}"  # a method named once where all its cells agree
+            if label not in by_threads.setdefault(row["threads"], []):
+                by_threads[row["threads"]].append(label)
+    if len(by_threads) > 1:  # a pooled row then compares methods timed at different thread counts
+        lines += ["", "Cells ran at different torch thread counts (each speedup is against the AR timed beside it): "
+                  + "; ".join(f"{threads} thread(s): {', '.join(labels)}"
+                              for threads, labels in sorted(by_threads.items())) + "."]
     if contended:
         lines += ["", "Turns that shared the CPU with another job (method and baseline files; their times read "
                   "slow, see `bench report`): " + ", ".join(contended) + "."]

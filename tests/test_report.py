@@ -498,6 +498,25 @@ def test_summary_table_into_readme(tmp_path):
     assert none.exit_code != 0 and "no records" in none.output
 
 
+def test_summary_names_cells_timed_at_other_thread_counts(tmp_path):
+    """A series whose cells ran at different torch thread counts says which ran at which (a
+    pooled row would compare them); one thread count throughout adds no line."""
+    from bench.summary import format_table, summary_rows
+    results = tmp_path / "results"
+    write_clean(results, tag="g")
+    rows = summary_rows(results, TARGET, "g")
+    assert {row["threads"] for row in rows} == {"1"} and "thread counts" not in format_table(rows)
+    for method in ("ar", "pld"):  # GSM8K's cell, method and baseline, timed at 2 threads
+        path = results / TARGET / "gsm8k" / f"{method}-g.jsonl"
+        lines = path.read_text().splitlines(keepends=True)
+        head = json.loads(lines[0])
+        head["provenance"]["torch_threads"] = 2
+        path.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    table = format_table(summary_rows(results, TARGET, "g"))
+    assert table.splitlines()[-1] == ("Cells ran at different torch thread counts (each speedup is against the AR "
+                                      "timed beside it): 1 thread(s): mtbench pld; 2 thread(s): gsm8k pld.")
+
+
 def test_repeats_pool_and_pair_within_their_pass(tmp_path):
     """Pass 1 (tag t): AR 1.0 s per turn, pld 0.5 s: speedup 2. Pass 2 (t.rep2): AR 2.0 s,
     pld 0.5 s: speedup 4. Pooled: (4 x 1.0 + 4 x 2.0) / (8 x 0.5) = 3; paired across passes it
