@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports pack-records refresh frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports pack-records refresh machine-series frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,24 @@ grid-reports: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
 	  --tuned-tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
+
+# The grid on another machine kind, as its own series (`make machine-series SERIES=amx` on an AMX Xeon):
+# every method at its defaults (tag grid-SERIES), `bench tune` of SERIES_TUNE on this machine, those
+# methods at their tuned budgets (tag grid-SERIES-auto), EAGLE-1/2 with FR-Spec's draft vocabulary
+# (tag grid-SERIES-frspec, as `make frspec`), the report in plots/SERIES/ and the
+# `grid-SERIES` block of results/README.md. Idempotent like the grid; each speedup is against the AR
+# timed beside it on that machine.
+SERIES ?=
+SERIES_TUNE ?= eagle2 eagle3 dflash ddtree dspark
+machine-series: $(STAMP)
+	$(if $(SERIES),,$(error give SERIES, e.g. make machine-series SERIES=amx))
+	$(BIN)/python -m bench.grid --tag grid-$(SERIES)
+	$(BIN)/bench tune $(foreach m,$(SERIES_TUNE),--method $(m))
+	$(BIN)/python -m bench.grid --tag grid-$(SERIES)-auto --budget auto $(foreach m,$(SERIES_TUNE),--method $(m))
+	$(BIN)/python -m bench.grid --tag grid-$(SERIES)-frspec --method eagle --method eagle2 --option draft_vocab=16384
+	$(BIN)/bench report --tag grid-$(SERIES) --out plots/$(SERIES) --tuned-tag grid-$(SERIES)-auto
+	$(BIN)/python -m bench.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
+	$(MAKE) pack-records
 
 # After drafters are retrained and shipped (`make train-at-scale` ships each as it ends): the grid's cells of
 # METHODS again (a new revision of the tag where the drafter changed; unchanged cells are skipped), their tuned
