@@ -199,7 +199,7 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     manifest_path = Path(results_dir) / target.name / f"grid-{tag}.json"
     cells: list[Cell] = []
     manifest = {"tag": tag, "target": target.name, "plan": plan, "max_new_tokens": max_new_tokens,
-                "temperature": temperature,
+                "temperature": temperature, "budget": budget, "options": method_options,
                 "methods": methods, "git_sha": git_sha(), "cells": []}
 
     # A grid over some tasks or methods keeps what other invocations (earlier, or running

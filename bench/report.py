@@ -156,18 +156,34 @@ def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
 
 
 def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
-             profiles: list[dict] | None = None) -> pd.DataFrame | None:
+             profiles: list[dict] | None = None, manifests: list[dict] | None = None) -> pd.DataFrame | None:
     """The goals table (bench.goals) of the grid's series in the selection, with the speedups
     of the tuned series (`tuned`, --tuned-tag) and the CPU decode path's (the kept hardware
-    `profiles`) checked too; None without a grid series."""
+    `profiles`) checked too; None without a grid series. A selection of one other series that
+    the grid ran with its own suites and settings (its manifest in `manifests` says so: `make
+    machine-series` on another machine kind) is checked the same way."""
     per_task = tables.per_task
     if per_task.empty:
         return None
-    series = [s for s in GOAL_SERIES if s in set(per_task["series"])]
+    present = set(per_task["series"])
+    series = [s for s in GOAL_SERIES if s in present]
+    if not series and len(present) == 1:
+        series = [m["tag"] for m in manifests or () if m["tag"] in present and grid_settings(m)][:1]
     if not series:
         return None
     return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir),
                        tuned.per_task if tuned is not None else None, profiles)
+
+
+def grid_settings(manifest: dict) -> bool:
+    """Whether a grid manifest ran the grid's default suites and settings (greedy, its sample
+    of each suite, its token budget) at every method's defaults (manifests written before they
+    kept the budget and options do not say, so they do not count)."""
+    from bench.grid import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PLAN
+
+    return (manifest.get("plan") == DEFAULT_PLAN and manifest.get("max_new_tokens") == DEFAULT_MAX_NEW_TOKENS
+            and not manifest.get("temperature") and "budget" in manifest and manifest["budget"] is None
+            and manifest.get("options") == {})
 
 
 DRAFTERS = "drafters"  # how each shipped drafter was trained
@@ -313,7 +329,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         figures = make_figures(records, tables, stage, load,
                                shipped_training_logs({run.target for run in records.runs}, records.problems))
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
-        goals = goals_of(tables, Path(results_dir), tuned, records.profiles)
+        goals = goals_of(tables, Path(results_dir), tuned, records.profiles, records.manifests)
         if goals is not None and not goals.empty:
             written.append(stage / "tables" / "goals.csv")
             goals.to_csv(written[-1], index=False)

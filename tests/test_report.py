@@ -498,6 +498,26 @@ def test_summary_table_into_readme(tmp_path):
     assert none.exit_code != 0 and "no records" in none.output
 
 
+def test_a_machine_series_run_at_the_grids_settings_gets_the_goals(tmp_path):
+    """`make machine-series`: a report of one series the grid ran at its own suites and settings
+    (its manifest says so) checks the goals as the grid's does; a series at another budget, with
+    options, or whose manifest does not say (written before it kept them), does not."""
+    from bench.grid import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PLAN
+    from bench.report import make_report
+
+    write_clean(tmp_path, tag="grid-amx")
+    manifest = tmp_path / TARGET / "grid-grid-amx.json"
+    settings = {"tag": "grid-amx", "target": TARGET, "plan": DEFAULT_PLAN, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+                "temperature": 0.0, "budget": None, "options": {}, "methods": ["pld"], "cells": []}
+    for changed, has_goals in (({}, True), ({"budget": "auto"}, False), ({"options": {"draft_vocab": "16"}}, False),
+                               ({"budget": None, "options": None}, False), ({"temperature": 1.0}, False)):
+        written = {k: v for k, v in {**settings, **changed}.items() if v is not None or k not in changed}
+        manifest.write_text(json.dumps(written))
+        html = make_report(tmp_path, tmp_path / "out", tags=("grid-amx",))["html"].read_text()
+        assert ('id="goals"' in html) == has_goals, changed
+    assert "pld" in html and "eagle3 τ ≥ 3" not in html
+
+
 def test_summary_names_cells_timed_at_other_thread_counts(tmp_path):
     """A series whose cells ran at different torch thread counts says which ran at which (a
     pooled row would compare them); one thread count throughout adds no line."""
