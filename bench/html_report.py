@@ -142,8 +142,10 @@ def _revisions(records: Records) -> str:
 
 
 def _goals(goals: pd.DataFrame) -> str:
-    """The goals (bench/goals.py) are stated for the grid's series: a report without it has no such section."""
-    return ("<p>The drafters' goals against the grid's greedy series, per task. A missed τ goal gives the "
+    """The goals (bench/goals.py) are stated for a series run at the grid's suites and settings (the grid's,
+    or one machine's: `make machine-series`): a report without one has no such section."""
+    return ("<p>The drafters' goals against this report's greedy series at the grid's suites and settings, per "
+            "task. A missed τ goal gives the "
             "tokens at which the line fitted to the scaling runs (<code>make scaling-runs</code>) reaches it, an "
             "extrapolation, not a promise. The CPU decode path's goals are checked per kept two-thread bf16 "
             "hardware profile (<code>bench profile</code>; its file in the task column).</p>"
@@ -165,7 +167,8 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
             "(\"not interleaved\" under "
             "Missing and partial): it compares the machine at two moments.</p>"
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
-        *([("goals", "Goals (the grid's series)", _goals(goals))] if goals is not None and not goals.empty else []),
+        *([("goals", "Goals (greedy, the grid's suites and settings)", _goals(goals))]
+          if goals is not None and not goals.empty else []),
         ("figures", "Figures", _figures(figures)),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
         ("categories", "Per category (MT-bench, Spec-Bench)", _table(display_table(tables.per_category))),
