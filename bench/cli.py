@@ -222,6 +222,9 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         agreement = ", ".join(f"{a:.2f}" for a in heldout["top1_by_position"])
         rounds = (f" (decode rounds simulated on the held-out replies: tau {heldout['rounds_tau']:.2f}, "
                   f"first draft accepted {heldout['rounds_a1']:.2f})" if "rounds_tau" in heldout else "")
+        for key, cut in heldout.items():
+            if key.startswith("first_") and isinstance(cut, dict) and "rounds_tau" in cut:
+                rounds += f"; their first {key[len('first_'):]} tokens: tau {cut['rounds_tau']:.2f}"
         click.echo(f"held out: top-1 agreement by draft position {agreement}; "
                    f"predicted tau {heldout['predicted_tau']:.2f}{rounds}")
     if summary.get("stopped"):  # exit 3: unfinished, so `bench train ... && bench ship` does not ship it

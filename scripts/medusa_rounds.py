@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.training import rounds_prediction, simulated_rounds
-from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
+from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
+from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, write_record
 
 
 def head_zero_hits(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

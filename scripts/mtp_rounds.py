@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import torch
 
-from bench.core.training import heldout_prediction, rounds_prediction
+from bench.core.training import first_reply_tokens, heldout_prediction, rounds_prediction
 
 
 def _turn_features(target, prompt: list[int], reply: list[int]) -> tuple[dict, tuple[int, int, int]]:
@@ -31,17 +31,6 @@ def _turn_features(target, prompt: list[int], reply: list[int]) -> tuple[dict, t
     mask = torch.zeros(len(tokens), dtype=torch.bool)
     mask[len(prompt): len(tokens) - 1] = True  # row r drafts token r+2: from the second reply token on
     return {"tokens": tokens, "loss_mask": mask, f"h{tap}": hidden}, (0, 0, len(tokens))
-
-
-def first_reply_tokens(mask: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-    """The loss mask from `start` on with each reply cut to its first `keep` tokens (the grid's
-    turns are a reply's first max_new_tokens)."""
-    cut, run = mask.clone(), 0
-    for i, on in enumerate(mask[start:].tolist(), start=start):
-        run = run + 1 if on else 0
-        if run > keep:
-            cut[i] = False
-    return cut
 
 
 def _recorded_turns(records: Path) -> dict[tuple[str, int], dict]:

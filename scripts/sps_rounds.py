@@ -18,9 +18,9 @@ import click
 import torch
 from torch import Tensor
 
-from bench.core.training import next_token_rounds, rounds_prediction
+from bench.core.training import first_reply_tokens, next_token_rounds, rounds_prediction
 from bench.records import RunFile
-from scripts.mtp_rounds import first_reply_tokens, grid_turns, latest_records, recorded_rounds, write_record
+from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, write_record
 
 
 def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:

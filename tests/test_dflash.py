@@ -253,6 +253,9 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     assert manifest["target"]["fingerprint"] == default_target.fingerprint
     # a block of 4 slots: 3 drafts under z-lab's convention (dflash), 4 with sample_from_anchor (dspark)
     assert len(manifest["heldout"]["slot_accuracy"]) == (4 if method == "dspark" else 3)
+    # decode rounds replayed on held-out replies, whole and cut to the grid's 128 tokens
+    rounds, first = manifest["heldout"], manifest["heldout"]["first_128"]
+    assert rounds["rounds"] >= first["rounds"] > 0 and 1 <= first["rounds_tau"] <= 1 + len(rounds["slot_accuracy"])
     arch = manifest["architecture"]
     assert arch["enable_confidence_head"] == (method == "dspark") and arch["sample_from_anchor"] == (method == "dspark")
     assert arch["mask_token_id"] == 16 and arch["qk_norm"] and arch["draft_vocab_size"] == 1024
@@ -410,3 +413,43 @@ def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
     assert blocks["anchors"].shape[1] == 7
     assert sorted(blocks["anchors"][0].tolist()) == list(range(10, 17))
     assert set(range(20, 23)) <= set(blocks["anchors"][1].tolist())
+
+
+def test_block_rounds_replay_the_loops_drafts(default_target, one_thread):
+    """methods/dflash/rounds (bench train's held-out τ, scripts/block_rounds): every round's
+    drafts come back from one target pass over the finished turn (each block sees the features
+    strictly before its root), so the replayed rounds are the loop's."""
+    from methods.dflash import Options, load_model
+    from methods.dflash.rounds import chain_drafts, sequence_rounds
+    from scripts.mtp_rounds import recorded_rounds
+
+    target = default_target
+    prompt = prompt_of(target)
+    model, _ = load_model(target, "dflash", Options(dtype="float32"))  # the shipped drafter: it accepts some
+    size = model.config.drafts_per_block
+    drafter = BlockDrafter(target, model, BlockSettings(mode="chain", block=size), "dflash")
+    seen, propose = [], drafter.propose
+
+    def recording(state):
+        draft = propose(state)
+        seen.append((len(state.tokens) - 1, draft.tokens))
+        return draft
+
+    drafter.propose = recording
+    result = decode(target.engine, drafter, prompt, DecodeConfig(max_new_tokens=48, sampling=SamplingConfig(0.0)))
+    tokens = torch.tensor(prompt + result.tokens)
+    hidden = target.engine.prefill(tokens, taps=tuple(model.config.taps), logits_rows="none").hidden
+    lm_head = target.engine.lm_head[model.draft_to_target]
+    roots, counts = [root for root, _ in seen], [len(draft) for _, draft in seen]
+    assert size in counts and min(counts) < size  # full blocks, and the last rounds' shorter ones
+    taps = [hidden[t] for t in model.config.taps]
+    replayed = chain_drafts(model, target.engine.embed, lm_head, tokens, taps, roots, counts)
+    assert replayed == [draft for _, draft in seen]
+    # a block that also saw its root's own feature would draft otherwise: the replay tells them apart
+    shifted = [torch.cat([t[1:], t[-1:]]) for t in taps]
+    assert chain_drafts(model, target.engine.embed, lm_head, tokens, shifted, roots, counts) != replayed
+    # and the loop's rounds follow from the replayed drafts
+    reply = torch.arange(len(tokens)) >= len(prompt)
+    rounds, _, _ = sequence_rounds(model, target.engine.embed, lm_head, tokens, taps, reply,
+                                   reply & (torch.arange(len(tokens)) < len(tokens) - 1), 48)
+    assert rounds == recorded_rounds({"accept_lengths": result.accept_lengths}) and rounds[1] > 0

@@ -460,7 +460,7 @@ def test_bad_training_options(tiny_target, tmp_path):
 
 
 def test_first_reply_tokens_cuts_each_reply_from_start():
-    from scripts.mtp_rounds import first_reply_tokens
+    from bench.core.training import first_reply_tokens
 
     mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
     assert first_reply_tokens(mask, 0, 2).int().tolist() == [1, 1, 0, 0, 1, 1, 0, 0, 1]

@@ -251,6 +251,11 @@ class BlockObjective:
 # and resumes: the same positions every export, and their lm_head pass is near half an export's work.
 # A dot file, so neither `bench ship` nor the kept copies take it.
 HELDOUT_TEACHER = ".heldout_teacher.pt"
+# Each export also replays greedy decode rounds (whole blocks verified) over the last of these
+# held-out conversations, whole and cut to the grid's 128 new tokens: the τ the product of slot
+# agreements predicts assumes independent slots and every row a round start; the replay does not.
+HELDOUT_ROUNDS_CONVERSATIONS = 100
+GRID_REPLY_TOKENS = 128
 
 
 def _fingerprint(features: Tensor) -> tuple[tuple[int, ...], float, float]:
@@ -333,6 +338,7 @@ def mask_token_for(target, chosen: int, method: str) -> int:
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
     from bench.core.training import heldout_prediction, loop, without_later_defaults
+    from methods.dflash.rounds import heldout_rounds
 
     known = set(BlockTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)
@@ -398,6 +404,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         model.eval()
         cache = read_teacher_cache(out_dir / HELDOUT_TEACHER)
         accuracy = heldout_slot_accuracy(objective, batches, cache)
+        rounds = heldout_rounds(model, objective.embed, objective.lm_head, batches.tensors,
+                                batches.heldout_spans[-HELDOUT_ROUNDS_CONVERSATIONS:], keep=GRID_REPLY_TOKENS)
         tmp = out_dir / (HELDOUT_TEACHER + ".tmp")  # ~1 MB, every export: simpler than tracking changes
         torch.save(cache, tmp)
         tmp.replace(out_dir / HELDOUT_TEACHER)
@@ -405,7 +413,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         keys = ("loss", "ce", "tv", "bce", "conf", "acc", "acc0", "acc1", "acc3", "acc7")
         manifest = {
             "method": method, "target": target_info, "weights": WEIGHTS,
-            "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"])),
+            "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"]), **rounds),
             "block": {"input_slots": config.block_size, "drafts_per_block": config.drafts_per_block,
                       "anchor_predicts_next": config.sample_from_anchor, "convention": config.convention},
             "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans), rows, keys),

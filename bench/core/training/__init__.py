@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.core.errors import BenchError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # Training options added after at-scale runs began, with their defaults: left out of a run's
 # identity while at the default (its checkpoint's, so older checkpoints resume, and the run id
@@ -68,6 +72,17 @@ def next_token_rounds(right: list[bool], mask: list[bool], depth: int,
     if starts is None:
         starts = [bool(mask[s]) and s + 1 < n and bool(mask[s + 1]) for s in range(n)]
     return simulated_rounds(hits, starts)
+
+
+def first_reply_tokens(mask: Tensor, start: int, keep: int) -> Tensor:
+    """The loss mask from `start` on with each reply cut to its first `keep` tokens (the grid's
+    turns are a reply's first max_new_tokens)."""
+    cut, run = mask.clone(), 0
+    for i, on in enumerate(mask[start:].tolist(), start=start):
+        run = run + 1 if on else 0
+        if run > keep:
+            cut[i] = False
+    return cut
 
 
 def rounds_prediction(rounds: int, accepted: int, first: int) -> dict:
