@@ -354,6 +354,9 @@ def test_training_resumes_and_exports(tiny_target, tmp_path, monkeypatch, one_th
     assert manifest["target"]["fingerprint"] == tiny_target.fingerprint
     training = manifest["training"]
     assert training["steps"] == 3 and "git_sha" in training and len(training["heldout"]["acc"]) == 4
+    # decode rounds replayed on the held-out replies, whole and cut to the grid's 128 tokens
+    heldout = training["heldout"]
+    assert heldout["rounds"] >= heldout["first_128"]["rounds"] > 0 and heldout["first_128"]["rounds_tau"] >= 1
     # what the README's drafter table reads: the data, the pool's tokens, epochs over the training windows
     assert training["data"] == "ShareGPT V3 prompts, teacher-forced ShareGPT replies" and training["feature_tokens"] > 0
     assert training["epochs"] == round(3 * training["batch_size"] / training["train_windows"], 2) > 0

@@ -665,7 +665,13 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     assert status.checkpoint_age_s == pytest.approx(600) and status.pid is None and not status.finished
     text = describe(status)
     assert "stopped; resumes from step 10" in text and "step 12/100 (12%)" in text and "10 min old" in text
-    assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text
+    assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text and "replayed" not in text
+    from bench.core.training.status import replayed_tau
+
+    replayed = {"rounds_tau": 1.7, "first_128": {"rounds_tau": 1.5}, "first_x": 3}
+    assert replayed_tau(replayed) == {"whole": 1.7, "first_128": 1.5}
+    status.rounds_tau = replayed_tau(replayed)
+    assert "predicted tau 1.90; replayed rounds tau 1.70; over their first 128 tokens 1.50" in describe(status)
     assert "command: bench train --method eagle3 --epochs 2" in text
     # a folder moved since its run started (set aside, or brought from another machine): the
     # command shown resumes it here

@@ -252,10 +252,9 @@ class BlockObjective:
 # A dot file, so neither `bench ship` nor the kept copies take it.
 HELDOUT_TEACHER = ".heldout_teacher.pt"
 # Each export also replays greedy decode rounds (whole blocks verified) over the last of these
-# held-out conversations, whole and cut to the grid's 128 new tokens: the τ the product of slot
+# held-out conversations, whole and cut to the grid's new tokens: the τ the product of slot
 # agreements predicts assumes independent slots and every row a round start; the replay does not.
 HELDOUT_ROUNDS_CONVERSATIONS = 100
-GRID_REPLY_TOKENS = 128
 
 
 def _fingerprint(features: Tensor) -> tuple[tuple[int, ...], float, float]:
@@ -337,7 +336,7 @@ def mask_token_for(target, chosen: int, method: str) -> int:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.core.training import heldout_prediction, loop, without_later_defaults
+    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop, without_later_defaults
     from methods.dflash.rounds import heldout_rounds
 
     known = set(BlockTrainSettings.__dataclass_fields__)

@@ -244,9 +244,22 @@ class MtpObjective:
                  "kl": [round(float(v), 4) for v in total[:, 0] / rows], "rows": int(total[0, 3])}
         if self.variant != "sequential":
             return found
-        from bench.core.training import rounds_prediction
+        from bench.core.training import GRID_REPLY_TOKENS, rounds_prediction
 
-        return dict(found, **rounds_prediction(*self.round_counts(windows, steps)))
+        return dict(found, **rounds_prediction(*self.round_counts(windows, steps)),
+                    **{f"first_{GRID_REPLY_TOKENS}": self.first_reply_rounds(windows, steps, GRID_REPLY_TOKENS)})
+
+    def first_reply_rounds(self, windows: list[tuple[int, int, int]], steps: int, keep: int) -> dict:
+        """round_counts with each held-out reply cut to its first `keep` tokens (as the grid's turns)."""
+        from bench.core.training import first_reply_tokens, rounds_prediction
+
+        whole = self.features
+        self.features = dict(whole, loss_mask=first_reply_tokens(whole["loss_mask"], windows[0][1], keep))
+        try:
+            kept = [w for w in windows if bool(self.features["loss_mask"][w[1] + 1: w[2]].any())]
+            return rounds_prediction(*self.round_counts(kept, steps))
+        finally:
+            self.features = whole
 
     @torch.no_grad()
     def round_counts(self, windows: list[tuple[int, int, int]], steps: int) -> tuple[int, int, int]:

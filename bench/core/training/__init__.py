@@ -74,6 +74,11 @@ def next_token_rounds(right: list[bool], mask: list[bool], depth: int,
     return simulated_rounds(hits, starts)
 
 
+# The grid's turns are a reply's first 128 new tokens: trainers that replay decode rounds on
+# held-out replies also replay them cut to that (`first_128`), a reply's opening being harder.
+GRID_REPLY_TOKENS = 128
+
+
 def first_reply_tokens(mask: Tensor, start: int, keep: int) -> Tensor:
     """The loss mask from `start` on with each reply cut to its first `keep` tokens (the grid's
     turns are a reply's first max_new_tokens)."""

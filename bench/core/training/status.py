@@ -41,6 +41,7 @@ class RunStatus:
     heldout_step: int | None = None
     heldout_top1: list[float] = field(default_factory=list)
     predicted_tau: float | None = None
+    rounds_tau: dict[str, float] = field(default_factory=dict)  # decode rounds replayed: "whole", "first_128"
     kept: list[int] = field(default_factory=list)  # trained-token counts of the copies in kept/
 
     @property
@@ -90,8 +91,18 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
         pid=_live_writer(folder / LOCK), command=_text(folder / COMMAND),
         heldout_step=training.get("steps") if heldout else None,
         heldout_top1=list(heldout.get("top1_by_position", [])), predicted_tau=heldout.get("predicted_tau"),
+        rounds_tau=replayed_tau(heldout),
         kept=sorted(int(p.name.split("-")[0]) for p in (folder / "kept").glob("*-tokens")
                     if p.name.split("-")[0].isdigit() and (p / "drafter.json").is_file()))
+
+
+def replayed_tau(heldout: dict) -> dict[str, float]:
+    """The τ of the decode rounds a trainer replayed on held-out replies: over whole replies
+    ("whole") and cut to their first N tokens ("first_N"), where it reports them."""
+    found = {"whole": heldout["rounds_tau"]} if "rounds_tau" in heldout else {}
+    found.update({k: v["rounds_tau"] for k, v in heldout.items()
+                  if k.startswith("first_") and isinstance(v, dict) and "rounds_tau" in v})
+    return found
 
 
 def describe(run: RunStatus) -> str:
@@ -118,8 +129,11 @@ def describe(run: RunStatus) -> str:
     if run.predicted_tau is not None:
         top1 = " / ".join(f"{a:.2f}" for a in run.heldout_top1[:SHOWN_POSITIONS])
         top1 += " / ..." if len(run.heldout_top1) > SHOWN_POSITIONS else ""
+        replayed = "".join(f"; replayed rounds tau {tau:.2f}" if cut == "whole" else
+                           f"; over their first {cut[len('first_'):]} tokens {tau:.2f}"
+                           for cut, tau in run.rounds_tau.items())
         lines.append(f"  held out at step {run.heldout_step}: top-1 by draft position {top1}; "
-                     f"predicted tau {run.predicted_tau:.2f}")
+                     f"predicted tau {run.predicted_tau:.2f}{replayed}")
     if run.kept:
         lines.append("  kept copies: " + ", ".join(f"{t / 1e6:.2g}M tokens" for t in run.kept))
     if run.command and not run.finished:
