@@ -16,8 +16,7 @@ from __future__ import annotations
 import click
 import torch
 
-from bench.core.training import rounds_prediction
-from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, write_record
+from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, task_result, write_record
 
 
 @click.command()
@@ -64,12 +63,7 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, heldout_count: int
                 simulated = [a + b for a, b in zip(simulated, counts)]
                 measured = [a + b for a, b in zip(measured, recorded_rounds(record))]
                 turns += 1
-            result["tasks"][task] = {"records": str(records), "turns": turns,
-                                     "simulated": rounds_prediction(*simulated),
-                                     "measured": rounds_prediction(*measured)}
-            s, m = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
-            click.echo(f"{task}: simulated tau {s['rounds_tau']:.3f} (a_1 {s['rounds_a1']:.3f}), "
-                       f"recorded {m['rounds_tau']:.3f} ({m['rounds_a1']:.3f})")
+            result["tasks"][task] = task_result(records, turns, simulated, measured)
         manifest = read_manifest(info["drafter"])
         training = manifest.get("training", {})
         settings = training.get("settings", {})

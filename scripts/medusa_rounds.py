@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
-from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, write_record
+from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, task_result, write_record
 
 
 def head_zero_hits(heads, lm_head: Tensor, hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -110,12 +110,7 @@ def main(tag: str, tasks: tuple[str, ...], heldout: int, reply_tokens: int, out:
                 simulated = _add(simulated, sequence_rounds(heads, lm_head, hidden, tokens, mask))
                 measured = _add(measured, recorded_rounds(record))
                 turns += 1
-            result["tasks"][task] = {"records": str(records), "turns": turns,
-                                     "simulated": rounds_prediction(*simulated),
-                                     "measured": rounds_prediction(*measured)}
-            s, m = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
-            click.echo(f"{task}: simulated tau {s['rounds_tau']:.3f} (a_1 {s['rounds_a1']:.3f}), "
-                       f"recorded {m['rounds_tau']:.3f} ({m['rounds_a1']:.3f})")
+            result["tasks"][task] = task_result(records, turns, simulated, measured)
         store = ensure_features(target, (tap,), FeatureData(max_tokens=5_000_000, self_distill=True), progress=False)
         data = store.load((tap,))
         features = {"tokens": data["tokens"], "loss_mask": data["loss_mask"], "offsets": data["offsets"],

@@ -76,8 +76,17 @@ def task_rounds(target, model, settings, task: str, records: Path, depth: int) -
         simulated = [a + b for a, b in zip(simulated, counts)]
         measured = [a + b for a, b in zip(measured, recorded_rounds(record))]
         count += 1
-    return {"turns": count, "records": str(records), "simulated": rounds_prediction(*simulated),
-            "measured": rounds_prediction(*measured)}
+    return task_result(records, count, simulated, measured)
+
+
+def task_result(records: Path, turns: int, simulated, measured, **extra) -> dict:
+    """One task's replay beside the loop's recorded rounds, echoed: a rounds record's `tasks` entry."""
+    found = dict({"records": str(records), "turns": turns}, **extra, simulated=rounds_prediction(*simulated),
+                 measured=rounds_prediction(*measured))
+    s, m = found["simulated"], found["measured"]
+    click.echo(f"{Path(records).parent.name}: simulated tau {s['rounds_tau']:.3f} (a_1 {s['rounds_a1']:.3f}), "
+               f"recorded {m['rounds_tau']:.3f} ({m['rounds_a1']:.3f})")
+    return found
 
 
 def write_record(out: str, name: str, result: dict) -> Path:
@@ -140,9 +149,6 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
     for task in tasks:
         records = latest_records(target.name, task, "mtp", tag)
         result["tasks"][task] = task_rounds(target, model, settings, task, records, depth)
-        simulated, measured = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
-        click.echo(f"{task}: simulated tau {simulated['rounds_tau']:.3f} (a_1 {simulated['rounds_a1']:.3f}), "
-                   f"recorded {measured['rounds_tau']:.3f} ({measured['rounds_a1']:.3f})")
     path = write_record(out, f"mtp-{tag}", result)
     for key in ("heldout", f"heldout_first_{reply_tokens}"):
         held_rounds = result[key]

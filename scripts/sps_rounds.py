@@ -20,7 +20,7 @@ from torch import Tensor
 
 from bench.core.training import first_reply_tokens, next_token_rounds, rounds_prediction
 from bench.records import RunFile
-from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, write_record
+from scripts.mtp_rounds import grid_turns, latest_records, recorded_rounds, task_result, write_record
 
 
 def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -105,12 +105,7 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, out: str) -> None:
                 counts, _, _ = sequence_rounds(draft, tokens, mask, gamma, starts)
                 simulated, measured = _add(simulated, counts), _add(measured, recorded_rounds(record))
                 turns += 1
-            result["tasks"][task] = {"records": str(records), "turns": turns, "gamma": gamma,
-                                     "simulated": rounds_prediction(*simulated),
-                                     "measured": rounds_prediction(*measured)}
-            s, m = result["tasks"][task]["simulated"], result["tasks"][task]["measured"]
-            click.echo(f"{task}: simulated tau {s['rounds_tau']:.3f} (a_1 {s['rounds_a1']:.3f}), "
-                       f"recorded {m['rounds_tau']:.3f} ({m['rounds_a1']:.3f})")
+            result["tasks"][task] = task_result(records, turns, simulated, measured, gamma=gamma)
         settings = DraftLMSettings(**manifest.get("draft_settings", {}))
         tap = target.engine.num_layers
         store = ensure_features(target, (tap,), FeatureData(max_tokens=settings.feature_tokens or 5_000_000,
