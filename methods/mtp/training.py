@@ -246,8 +246,19 @@ class MtpObjective:
             return found
         from bench.core.training import GRID_REPLY_TOKENS, rounds_prediction
 
-        return dict(found, **rounds_prediction(*self.round_counts(windows, steps)),
-                    **{f"first_{GRID_REPLY_TOKENS}": self.first_reply_rounds(windows, steps, GRID_REPLY_TOKENS)})
+        replayed = self.rounds_windows(windows)
+        return dict(found, **rounds_prediction(*self.round_counts(replayed, steps)),
+                    **{f"first_{GRID_REPLY_TOKENS}": self.first_reply_rounds(replayed, steps, GRID_REPLY_TOKENS)})
+
+    def rounds_windows(self, windows: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """The held-out windows rounds are replayed on, whole and cut alike: the first ones that
+        hold eval_rows reply rows."""
+        mask, seen = self.features["loss_mask"], 0
+        for i, (_, a, b) in enumerate(windows):
+            seen += int(mask[a + 1: b].sum())
+            if seen >= self.settings.eval_rows:
+                return windows[: i + 1]
+        return windows
 
     def first_reply_rounds(self, windows: list[tuple[int, int, int]], steps: int, keep: int) -> dict:
         """round_counts with each held-out reply cut to its first `keep` tokens (as the grid's turns)."""
@@ -269,7 +280,7 @@ class MtpObjective:
         from bench.core.training import simulated_rounds
 
         head = self.lm_head.to(self.head_dtype)
-        total, seen = [0, 0, 0], 0
+        total = [0, 0, 0]
         for window in windows:
             student, teacher, valid = self.pairs([window], steps)
             best = F.linear(teacher.to(self.head_dtype), head).argmax(-1)
@@ -279,9 +290,6 @@ class MtpObjective:
             hit = [[k + s < n and flags[k][k + s] for s in range(n)] for k in range(steps)]
             counts = simulated_rounds(hit, valid[0].tolist())
             total = [a + b for a, b in zip(total, counts)]
-            seen += int(valid[0].sum())
-            if seen >= self.settings.eval_rows:
-                break
         return tuple(total)
 
     def export(self, folder: Path, manifest: dict) -> None:
