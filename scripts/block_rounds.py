@@ -58,8 +58,8 @@ def main(tag: str, tasks: tuple[str, ...], reply_tokens: int, heldout_count: int
                 n = len(tokens)
                 hidden = target.engine.prefill(tokens, taps=taps, logits_rows="none").hidden
                 reply = torch.arange(n) >= len(prompt)
-                counts, _, _ = sequence_rounds(model, embed, lm_head, tokens, [hidden[t] for t in taps], reply,
-                                               reply & (torch.arange(n) < n - 1), run["max_new_tokens"])
+                counts = sequence_rounds(model, embed, lm_head, tokens, [hidden[t] for t in taps], reply,
+                                         reply & (torch.arange(n) < n - 1), run["max_new_tokens"])
                 simulated = [a + b for a, b in zip(simulated, counts)]
                 measured = [a + b for a, b in zip(measured, recorded_rounds(record))]
                 turns += 1

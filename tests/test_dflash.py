@@ -450,6 +450,6 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread):
     assert chain_drafts(model, target.engine.embed, lm_head, tokens, shifted, roots, counts) != replayed
     # and the loop's rounds follow from the replayed drafts
     reply = torch.arange(len(tokens)) >= len(prompt)
-    rounds, _, _ = sequence_rounds(model, target.engine.embed, lm_head, tokens, taps, reply,
-                                   reply & (torch.arange(len(tokens)) < len(tokens) - 1), 48)
+    rounds = sequence_rounds(model, target.engine.embed, lm_head, tokens, taps, reply,
+                             reply & (torch.arange(len(tokens)) < len(tokens) - 1), 48)
     assert rounds == recorded_rounds({"accept_lengths": result.accept_lengths}) and rounds[1] > 0

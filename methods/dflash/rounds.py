@@ -61,18 +61,18 @@ def _greedy(model, hidden: Tensor, lm_head: Tensor, tokens: Tensor, roots: Tenso
 
 
 def sequence_rounds(model, embed: Tensor, lm_head: Tensor, tokens: Tensor, taps: list[Tensor], reply: Tensor,
-                    roots: Tensor, left: int | None = None) -> tuple[tuple[int, int, int], int, int]:
+                    roots: Tensor, left: int | None = None) -> tuple[int, int, int]:
     """simulated_rounds over one sequence: rounds may start at `roots` (bool per position), a
     draft counts where it is the sequence's token and that token is a reply token (`reply`).
     `left`: the loop's max_new_tokens, which shortens its last blocks (the reply starts at the
-    first root). Also returns the first draft's agreement over every root: (hits, roots)."""
+    first root)."""
     size = model.config.drafts_per_block
     where = roots.nonzero().flatten().tolist()
     if not where:
-        return (0, 0, 0), 0, 0
+        return 0, 0, 0
     counts = [size if left is None else max(1, min(size, left - (s - where[0] + 1))) for s in where]
     hit = drafted_hits(tokens, reply, where, chain_drafts(model, embed, lm_head, tokens, taps, where, counts))
-    return simulated_rounds(hit, roots.tolist()), sum(hit[0][s] for s in where), len(where)
+    return simulated_rounds(hit, roots.tolist())
 
 
 def drafted_hits(tokens: Tensor, reply: Tensor, roots: list[int], drafted: list[list[int]]) -> list[list[bool]]:
