@@ -341,6 +341,9 @@ def test_training_exports_resumes_exactly_and_builds(tiny_target, tmp_path, monk
     accuracy = manifest["accuracy"]["topk"]
     assert len(accuracy) == 3 and all(len(row) == 10 and row == sorted(row) for row in accuracy)
     assert len(manifest["tree"]["paths"]) == 10 and manifest["training"]["steps"] == 4
+    heldout = manifest["heldout"]  # the stored tree's rounds replayed on held-out replies, whole and cut
+    assert heldout["tree_size"] == 10 and heldout["rounds"] >= heldout["first_128"]["rounds"] > 0
+    assert 1.0 <= heldout["rounds_tau"] <= 1 + max(len(p) for p in manifest["tree"]["paths"])
     assert set(manifest["training"]["last_20_steps"]) >= {"loss", "kl", "acc_h0", "acc_h2"}
     assert manifest["training"]["epochs"] > 0 and manifest["training"]["data"].startswith("ShareGPT V3 prompts")
     log = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]

@@ -183,6 +183,8 @@ def test_sps_training_measures_held_out_chain_agreement(tiny_target, sharegpt, t
     assert heldout["top1_by_position"] == [1.0, 1.0, 1.0] and heldout["predicted_tau"] == 4.0
     # every round's first draft lands; only a reply's last round is cut short of 3 drafts
     assert heldout["rounds_a1"] == 1.0 and 3.5 < heldout["rounds_tau"] <= 4.0
+    first = heldout["first_128"]  # the same replies cut to the grid's 128 new tokens
+    assert first["rounds_a1"] == 1.0 and 0 < first["rounds"] <= heldout["rounds"] and first["rounds_tau"] <= 4.0
     assert summary["steps"] == 1
 
 
@@ -759,21 +761,40 @@ def test_first_draft_curves_count_the_examples_each_drafter_saw(tmp_path):
     assert accuracy_at(curve(eagle, "eagle"), 2000) == 0.2 and accuracy_at(curve(eagle, "eagle"), 10**6) is None
 
 
-def test_one_node_medusa_rounds_follow_head_zero_hits():
-    """scripts.medusa_rounds: head 0 at row t drafts token t+2; a round starting at t accepts it
-    when right (next round two rows on) else moves one row; rows outside the reply start none."""
+def test_medusa_rounds_accept_the_tree_path_of_the_data_ranks():
+    """methods.medusa.rounds: head i at row t ranks token t+2+i; a round starting at t accepts
+    the longest tree path whose ranks are the data tokens' (next round after its bonus);
+    rows outside the reply start none; a one-node tree is head 0's top-1 chain."""
     import types
 
     import torch
 
-    from scripts.medusa_rounds import sequence_rounds
+    from methods.medusa.rounds import heldout_rounds, sequence_rounds, tree_hits
 
+    one = [(0,)]
     heads = types.SimpleNamespace(blocks=[torch.nn.Identity()])
     tokens = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
     drafts = [2, 3, 9, 5, 9, 7]  # row t drafts tokens[t+2] right at t = 0, 1, 3, 5
     hidden = torch.nn.functional.one_hot(torch.tensor(drafts + [0, 0]), 10).float()
     mask = torch.tensor([False, True, True, True, True, True, True, False])  # token t+1 a reply token
     # rounds start at 1 (hit: 1 accepted), 3 (hit), 5 (hit) -> 7 is past the reply: 3 rounds, 3 accepted
-    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask) == (3, 3, 3)
+    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask, one) == (3, 3, 3)
     mask[1] = False  # the reply begins a row later: 2 (miss), 3 (hit), 5 (hit)
-    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask) == (3, 2, 2)
+    assert sequence_rounds(heads, torch.eye(10), hidden, tokens, mask, one) == (3, 2, 2)
+
+    # ranks [depth, n]: row 0's data tokens are head 0's rank 1 and head 1's rank 0
+    ranks = torch.tensor([[1, 0, 0, 2, -1, -1], [0, 2, 0, -1, -1, -1]])
+    reply = torch.tensor([True, True, True, True, True, False])  # token t+1 a reply token; 6 is none
+    tree = [(0,), (1,), (0, 0), (1, 0)]
+    assert tree_hits(ranks, reply, tree) == [[True, True, True, False, False, False],
+                                             [True, False, True, False, False, False]]
+    assert tree_hits(ranks, reply, one)[0][:3] == [False, True, True]
+    reply[2] = False  # token 3 is no reply token: row 1 drafts nothing, row 0 stops after one
+    assert tree_hits(ranks, reply, tree)[0][:3] == [True, False, True]
+    assert tree_hits(ranks, reply, tree)[1][:3] == [False, False, True]
+
+    # held out: the whole-reply and first-k replays over a two-head identity drafter
+    heads2 = types.SimpleNamespace(blocks=[torch.nn.Identity(), torch.nn.Identity()])
+    features = {"tokens": tokens, "loss_mask": torch.tensor([False] + [True] * 6 + [False]), "h": hidden}
+    found = heldout_rounds(heads2, torch.eye(10), features, [(0, 8)], one, keep=2)
+    assert (found["rounds"], found["tree_size"]) == (3, 1) and found["first_2"]["rows"] == 1

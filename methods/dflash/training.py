@@ -251,10 +251,6 @@ class BlockObjective:
 # and resumes: the same positions every export, and their lm_head pass is near half an export's work.
 # A dot file, so neither `bench ship` nor the kept copies take it.
 HELDOUT_TEACHER = ".heldout_teacher.pt"
-# Each export also replays greedy decode rounds (whole blocks verified) over the last of these
-# held-out conversations, whole and cut to the grid's new tokens: the τ the product of slot
-# agreements predicts assumes independent slots and every row a round start; the replay does not.
-HELDOUT_ROUNDS_CONVERSATIONS = 100
 
 
 def _fingerprint(features: Tensor) -> tuple[tuple[int, ...], float, float]:
@@ -336,7 +332,13 @@ def mask_token_for(target, chosen: int, method: str) -> int:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop, without_later_defaults
+    from bench.core.training import (
+        GRID_REPLY_TOKENS,
+        HELDOUT_ROUNDS_CONVERSATIONS,
+        heldout_prediction,
+        loop,
+        without_later_defaults,
+    )
     from methods.dflash.rounds import heldout_rounds
 
     known = set(BlockTrainSettings.__dataclass_fields__)

@@ -75,6 +75,8 @@ class Features:
         self.end = torch.repeat_interleave(offsets[1:], lengths)  # per position: its conversation's end
         train_end = int(offsets[min(sequences - held, data_limit or sequences)])
         self.split = int(offsets[sequences - held])
+        bounds = offsets[sequences - held:].tolist()
+        self.heldout_spans = list(zip(bounds[:-1], bounds[1:]))  # the held-out conversations, in order
         self.train_anchors = self.anchors(0, train_end)
         self.held_anchors = self.anchors(self.split, len(self.tokens))
         if not len(self.train_anchors) or not len(self.held_anchors):
@@ -233,8 +235,9 @@ class MedusaObjective:
 def train_medusa(target, settings) -> dict:
     """`bench train --method medusa`: Medusa-1 heads on cached target features."""
     from bench.core.provenance import git_sha, timestamp
-    from bench.core.training import heldout_prediction, loop
+    from bench.core.training import GRID_REPLY_TOKENS, HELDOUT_ROUNDS_CONVERSATIONS, heldout_prediction, loop
     from bench.core.training.features import FeatureData, data_facts, ensure_features
+    from methods.medusa.rounds import heldout_rounds
 
     opts = _training_options(dict(settings.options))
     tap = target.engine.num_layers
@@ -254,6 +257,7 @@ def train_medusa(target, settings) -> dict:
     device = torch.device(settings.device)
     heads.to(device)
     objective = MedusaObjective(heads, target.engine.lm_head, features, opts, device, settings.bf16_autocast())
+    held_features = {"tokens": features.tokens, "loss_mask": features.loss_mask, "h": features.hidden}
 
     def next_batch(cursor: int) -> tuple[list[tuple[int, int]], int]:
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + cursor)  # exact resume
@@ -273,6 +277,10 @@ def train_medusa(target, settings) -> dict:
     def export(step: int) -> None:
         accuracy, counts = objective.measure()
         paths = build_tree(accuracy, opts.tree_size)
+        heads.eval()
+        spans = features.heldout_spans[-HELDOUT_ROUNDS_CONVERSATIONS:]
+        rounds = heldout_rounds(heads, objective.lm_head, held_features, spans, paths, keep=GRID_REPLY_TOKENS)
+        heads.train()
         rows = loop.read_log(out_dir)
         last = rows[-20:]
         manifest = {
@@ -283,7 +291,7 @@ def train_medusa(target, settings) -> dict:
             "accuracy": {"topk": accuracy, "pairs": counts, "label": "target greedy token",
                          "held_out": f"last {opts.heldout:.0%} of conversations",
                          "held_out_positions": int(len(features.held_anchors))},
-            "heldout": heldout_prediction([head[0] for head in accuracy]),
+            "heldout": dict(heldout_prediction([head[0] for head in accuracy]), **rounds),
             "tree": {"paths": [list(p) for p in paths], "size": len(paths),
                      "expected_accepted": round(expected_accepted(paths, accuracy), 4)},
             "training": {

@@ -77,6 +77,10 @@ def next_token_rounds(right: list[bool], mask: list[bool], depth: int,
 # The grid's turns are a reply's first 128 new tokens: trainers that replay decode rounds on
 # held-out replies also replay them cut to that (`first_128`), a reply's opening being harder.
 GRID_REPLY_TOKENS = 128
+# Block and tree drafters replay rounds (whole blocks or trees verified) over the last of these
+# held-out conversations at each export: the τ the product of per-position agreements predicts
+# assumes independent positions and every row a round start; the replay does not.
+HELDOUT_ROUNDS_CONVERSATIONS = 100
 
 
 def first_reply_tokens(mask: Tensor, start: int, keep: int) -> Tensor:

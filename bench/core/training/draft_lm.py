@@ -162,15 +162,19 @@ class DraftDistillation:
                       "accept": overlap / total, "tokens": total}
 
     @torch.no_grad()
-    def chain_agreement(self, examples: list[Example], depth: int) -> tuple[list[float], int, list[int]]:
+    def chain_agreement(self, examples: list[Example], depth: int,
+                        keep: int | None = None) -> tuple[list[float], int, dict[int | None, list[int]]]:
         """Held-out top-1 agreement per draft position of a greedy chain: position i counts
         where the draft agreed with the target at the i earlier positions of the same reply
         (teacher-forced, exactly the context such a chain drafts in). Returns the agreement
         per position, the reply positions measured, and the decode rounds simulated on the
-        same replies (rounds, accepted, first accepted: bench.core.training.next_token_rounds)."""
-        from bench.core.training import next_token_rounds
+        same replies (rounds, accepted, first accepted: bench.core.training.next_token_rounds),
+        under None for whole replies and under `keep` for each reply cut to its first `keep`
+        tokens."""
+        from bench.core.training import first_reply_tokens, next_token_rounds
 
-        agreed, reached, rounds = [0] * depth, [0] * depth, [0, 0, 0]
+        agreed, reached = [0] * depth, [0] * depth
+        rounds: dict[int | None, list[int]] = {cut: [0, 0, 0] for cut in [None] + ([keep] if keep else [])}
         for ex in examples:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
@@ -183,8 +187,11 @@ class DraftDistillation:
             right = [False] * len(tokens)
             for row, yes in zip(rows.tolist(), agree):
                 right[row] = yes
-            counts = next_token_rounds(right, ex.loss_mask.bool().tolist(), depth)
-            rounds = [a + b for a, b in zip(rounds, counts)]
+            for cut in rounds:
+                mask = ex.loss_mask.bool() if cut is None else first_reply_tokens(ex.loss_mask.bool(), 0, cut)
+                cut_right = [r and m for r, m in zip(right, mask.tolist())]
+                counts = next_token_rounds(cut_right, mask.tolist(), depth)
+                rounds[cut] = [a + b for a, b in zip(rounds[cut], counts)]
         return [a / r if r else 0.0 for a, r in zip(agreed, reached)], reached[0], rounds
 
     def export(self, folder: Path, manifest: dict) -> None:
@@ -223,7 +230,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.core.training import heldout_prediction, loop, rounds_prediction
+    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop, rounds_prediction
     from bench.core.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
@@ -283,9 +290,11 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         rows = loop.read_log(out_dir)
         manifest = {"method": method, "target": target_info, "weights": WEIGHTS}
         if held_examples:
-            agreement, measured, rounds = objective.chain_agreement(held_examples, draft_settings.heldout_depth)
-            manifest["heldout"] = dict(heldout_prediction(agreement), **rounds_prediction(*rounds), positions=measured,
-                                       held_out=f"the first {len(held_examples)} conversations")
+            agreement, measured, rounds = objective.chain_agreement(held_examples, draft_settings.heldout_depth,
+                                                                    keep=GRID_REPLY_TOKENS)
+            manifest["heldout"] = dict(heldout_prediction(agreement), **rounds_prediction(*rounds[None]),
+                                       **{f"first_{GRID_REPLY_TOKENS}": rounds_prediction(*rounds[GRID_REPLY_TOKENS])},
+                                       positions=measured, held_out=f"the first {len(held_examples)} conversations")
         manifest.update({
             "training": {
                 "steps": step, "max_steps": cfg.max_steps, "batch_size": settings.batch_size,
