@@ -374,3 +374,45 @@ def test_taps_option_fuses_the_layers_given_and_old_checkpoints_still_resume(def
     eagle1.options["taps"] = "2,15,30"
     with pytest.raises(BenchError, match="EAGLE-3 option"):
         train_eagle(default_target, eagle1, "eagle1", "eagle")
+
+
+def test_eagle3_chain_rounds_replay_the_loops_rounds(default_target, one_thread):
+    """rank_accuracy's replay: EAGLE-3's unrolled (TTT) pass over a turn drafts, at every row,
+    what a top-1 chain as deep as its steps drafts there in the decode loop, so the rounds it
+    replays on a turn the loop decoded (the shipped head, fp32) are the loop's own rounds."""
+    import bench.registry as registry
+    from bench.core.drafters import find_drafter, read_manifest
+    from methods.eagle import load_head
+    from methods.eagle.training import EagleObjective, EagleTrainSettings, FeatureBatches, rank_accuracy
+
+    folder = find_drafter(default_target.name, "eagle3", None)
+    steps = read_manifest(folder)["training"]["settings"]["ttt_steps"]
+    chain = {"drafter": str(folder), "top_k": 1, "depth": steps, "total_token": steps + 1, "dtype": "float32"}
+    decoder = registry.build_decoder("eagle3", default_target, chain)
+    prompt = prompt_of(default_target)
+    turn = decoder.run_turn(prompt, DecodeConfig(max_new_tokens=48, sampling=SamplingConfig(0.0)))
+    accepted = turn.accept_lengths
+    assert max(turn.proposed_lengths) == steps and sum(accepted) > len(accepted) // 2  # the head drafts well
+
+    engine = default_target.engine
+    head, _ = load_head(default_target, "eagle3", type("Options", (), {"drafter": str(folder), "dtype": "float32"}),
+                        "eagle3")
+    taps = tuple(sorted(set(head.config.taps) | {engine.num_layers}))
+    tokens = torch.tensor(prompt + turn.tokens)
+    states = engine.prefill(tokens, taps=taps, logits_rows="none").hidden
+    n = len(tokens)
+    mask = torch.zeros(n, dtype=torch.bool)  # row t: token t+1 is a reply token (the prefill's row drafts too)
+    mask[len(prompt) - 1: n - 1] = True
+    pad = 4  # a second, empty conversation: FeatureBatches holds the last one out
+    tensors = {"tokens": torch.cat([tokens, torch.zeros(pad, dtype=torch.long)]),
+               "loss_mask": torch.cat([mask, torch.zeros(pad, dtype=torch.bool)]),
+               "offsets": torch.tensor([0, n, n + pad]),
+               **{f"h{t}": torch.cat([states[t].float(), torch.zeros(pad, states[t].shape[-1])]) for t in taps}}
+    batches = FeatureBatches(tensors, list(head.config.taps), engine.num_layers, 1, 0)
+    batches.heldout_spans = [(0, n)]
+    objective = EagleObjective(head, engine.embed.float(), engine.lm_head.float(), engine.num_layers,
+                               EagleTrainSettings(ttt_steps=steps))
+    _, replay = rank_accuracy(objective, batches)
+    assert (replay["rounds"], replay["rounds_tau"], replay["rounds_a1"]) == (
+        len(accepted), round(1 + sum(accepted) / len(accepted), 4),
+        round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)

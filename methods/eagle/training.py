@@ -261,13 +261,24 @@ class EagleObjective:
 
 
 @torch.no_grad()
-def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int = 64) -> dict:
+def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int = 64,
+                  keep: int | None = None) -> tuple[dict, dict]:
     """Held-out, teacher-forced: share of positions where the target's argmax is the
     head's rank-r draft token (r < RANKS), per unrolled step for EAGLE-3 (step 0 only
-    for EAGLE-1). Drives the static tree and is reported in the manifest."""
+    for EAGLE-1). Drives the static tree and is reported in the manifest.
+
+    Also the greedy rounds of a chain of the head's top-1 drafts, as deep as the steps
+    unrolled, replayed on the same replies (whole, and with `keep` cut to each reply's first
+    `keep` tokens): step s at row t is the chain rooted at t drafting token t+2+s with its own
+    earlier states and, while it has been right, the data's tokens, which is what the unrolled
+    (TTT) pass computes, so for EAGLE-3 the replay is exact; EAGLE-1 unrolls one step."""
+    from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
+
     head = objective.head
     counts: dict[int, Tensor] = {}
     totals: dict[int, int] = {}
+    cuts = [None] + ([keep] if keep else [])
+    rounds = {cut: [0, 0, 0] for cut in cuts}
     spans = batches.heldout_spans[:limit]
     for i in range(0, len(spans), 4):
         batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
@@ -283,6 +294,7 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
         diagonal: list[tuple[Tensor, Tensor]] = []
         # The target's next token at every row, once: step s scores against it shifted by 1+s.
         teacher = F.linear(batch[f"h{objective.final_tap}"].float(), objective.lm_head).argmax(-1)
+        right = torch.zeros(steps, *tokens.shape, dtype=torch.bool)  # step s's top-1 right at row t
         for step in range(steps):
             embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
             q, k, v = head.qkv(hidden, embeds, positions + step)
@@ -296,11 +308,25 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             ranked = logits.topk(RANKS, dim=-1).indices
             if head.config.kind == "eagle3":
                 ranked = head.draft_to_target[ranked]
-            hits = (ranked == target[:, None]).sum(0)
-            counts[step] = counts.get(step, torch.zeros(RANKS, dtype=torch.long)) + hits.cpu()
+            hits = (ranked == target[:, None])
+            right[step][valid.cpu()] = hits[:, 0].cpu()
+            counts[step] = counts.get(step, torch.zeros(RANKS, dtype=torch.long)) + hits.sum(0).cpu()
             totals[step] = totals.get(step, 0) + int(valid.sum())
             hidden = out
-    return {f"step{s}": [round(float(c) / max(1, totals[s]), 4) for c in counts[s]] for s in counts}
+        for row, length in enumerate(batch["lengths"].tolist()):
+            mask = batch["mask"][row, :length].cpu().bool()  # row t: token t+1 is a reply token
+            for cut in cuts:
+                reply = mask if cut is None else first_reply_tokens(mask, 0, cut)
+                ahead = torch.cat([reply, torch.zeros(steps + 1, dtype=torch.bool)])
+                chain = [(right[s, row, :length] & ahead[1 + s: 1 + s + length]).tolist() for s in range(steps)]
+                starts = reply & torch.cat([reply[1:], torch.zeros(1, dtype=torch.bool)])  # not after a reply's last
+                found = simulated_rounds(chain, starts.tolist())
+                rounds[cut] = [a + b for a, b in zip(rounds[cut], found)]
+    accuracy = {f"step{s}": [round(float(c) / max(1, totals[s]), 4) for c in counts[s]] for s in counts}
+    replay = dict(rounds_prediction(*rounds[None]), rounds_chain=f"top-1 chain, {len(counts)} deep")
+    if keep:
+        replay[f"first_{keep}"] = rounds_prediction(*rounds[keep])
+    return accuracy, replay
 
 
 def _coerce(value, kind: type):
@@ -343,7 +369,7 @@ def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
 
 def train_eagle(target, settings, kind: str, method: str) -> dict:
     """Train an EAGLE-1 or EAGLE-3 head for `target` into settings.out_dir (resumable)."""
-    from bench.core.training import heldout_prediction, loop
+    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop
 
     known = set(EagleTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)
@@ -409,10 +435,11 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     def export(step: int) -> None:
         rows = loop.read_log(out_dir)
         head.eval()
-        accuracy = rank_accuracy(objective, batches)
+        accuracy, replay = rank_accuracy(objective, batches, keep=GRID_REPLY_TOKENS)
         head.train()
         manifest = {"method": method, "target": target_info, "weights": WEIGHTS, "heldout_rank_accuracy": accuracy,
-                    "heldout": heldout_prediction([accuracy[f"step{i}"][0] for i in range(len(accuracy))]),
+                    "heldout": dict(heldout_prediction([accuracy[f"step{i}"][0] for i in range(len(accuracy))]),
+                                    **replay),
                     "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans),
                                                   rows, ("loss", "acc", "acc1", "acc2", "acc3"))}
         export_head(head, out_dir, manifest)

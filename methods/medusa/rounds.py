@@ -78,9 +78,9 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict[str, Tensor], spans: l
             ranks = data_ranks(heads, lm_head, features["h"][a:b], tokens, depth, full.nonzero().flatten())
             for cut in cuts:
                 mask = full if cut is None else first_reply_tokens(full, 0, cut)
-                pairs = torch.zeros_like(mask)
-                pairs[:-1] = mask[:-1] & mask[1:]  # token t+1 and t+2 both reply tokens
-                counts = simulated_rounds(tree_hits(ranks, mask, paths), mask.tolist())
+                pairs = torch.zeros_like(mask)  # token t+1 and t+2 both reply tokens: a round may start at t
+                pairs[:-1] = mask[:-1] & mask[1:]
+                counts = simulated_rounds(tree_hits(ranks, mask, paths), pairs.tolist())
                 head0 = int(((ranks[0] == 0) & pairs).sum())
                 totals[cut] = [x + y for x, y in zip(totals[cut], counts + (head0, int(pairs.sum())))]
     out: dict = {}
