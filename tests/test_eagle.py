@@ -376,27 +376,28 @@ def test_taps_option_fuses_the_layers_given_and_old_checkpoints_still_resume(def
         train_eagle(default_target, eagle1, "eagle1", "eagle")
 
 
-def test_eagle3_chain_rounds_replay_the_loops_rounds(default_target, one_thread):
-    """rank_accuracy's replay: EAGLE-3's unrolled (TTT) pass over a turn drafts, at every row,
-    what a top-1 chain as deep as its steps drafts there in the decode loop, so the rounds it
-    replays on a turn the loop decoded (the shipped head, fp32) are the loop's own rounds."""
+@pytest.mark.parametrize("method,loop,kind", [("eagle3", "eagle3", "eagle3"), ("eagle", "eagle2", "eagle1")])
+def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method, loop, kind):
+    """rank_accuracy's replay: the head's unrolled pass over a turn (EAGLE-3's TTT pass; EAGLE-1
+    fed its own predicted features) drafts, at every row, what a top-1 chain as deep as its
+    steps drafts there in the decode loop, so the rounds it replays on a turn the loop decoded
+    (the shipped head, fp32) are the loop's own rounds."""
     import bench.registry as registry
     from bench.core.drafters import find_drafter, read_manifest
     from methods.eagle import load_head
     from methods.eagle.training import EagleObjective, EagleTrainSettings, FeatureBatches, rank_accuracy
 
-    folder = find_drafter(default_target.name, "eagle3", None)
+    folder = find_drafter(default_target.name, method, None)
     steps = read_manifest(folder)["training"]["settings"]["ttt_steps"]
     chain = {"drafter": str(folder), "top_k": 1, "depth": steps, "total_token": steps + 1, "dtype": "float32"}
-    decoder = registry.build_decoder("eagle3", default_target, chain)
+    decoder = registry.build_decoder(loop, default_target, chain)
     prompt = prompt_of(default_target)
     turn = decoder.run_turn(prompt, DecodeConfig(max_new_tokens=48, sampling=SamplingConfig(0.0)))
     accepted = turn.accept_lengths
     assert max(turn.proposed_lengths) == steps and sum(accepted) > len(accepted) // 2  # the head drafts well
 
     engine = default_target.engine
-    head, _ = load_head(default_target, "eagle3", type("Options", (), {"drafter": str(folder), "dtype": "float32"}),
-                        "eagle3")
+    head, _ = load_head(default_target, method, type("Options", (), {"drafter": str(folder), "dtype": "float32"}), kind)
     taps = tuple(sorted(set(head.config.taps) | {engine.num_layers}))
     tokens = torch.tensor(prompt + turn.tokens)
     states = engine.prefill(tokens, taps=taps, logits_rows="none").hidden
@@ -412,7 +413,8 @@ def test_eagle3_chain_rounds_replay_the_loops_rounds(default_target, one_thread)
     batches.heldout_spans = [(0, n)]
     objective = EagleObjective(head, engine.embed.float(), engine.lm_head.float(), engine.num_layers,
                                EagleTrainSettings(ttt_steps=steps))
-    _, replay = rank_accuracy(objective, batches)
+    accuracy, replay = rank_accuracy(objective, batches)
+    assert len(accuracy) == steps
     assert (replay["rounds"], replay["rounds_tau"], replay["rounds_a1"]) == (
         len(accepted), round(1 + sum(accepted) / len(accepted), 4),
         round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)

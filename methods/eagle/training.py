@@ -264,14 +264,15 @@ class EagleObjective:
 def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int = 64,
                   keep: int | None = None) -> tuple[dict, dict]:
     """Held-out, teacher-forced: share of positions where the target's argmax is the
-    head's rank-r draft token (r < RANKS), per unrolled step for EAGLE-3 (step 0 only
-    for EAGLE-1). Drives the static tree and is reported in the manifest.
+    head's rank-r draft token (r < RANKS), per unrolled step (ttt_steps of them; EAGLE-1
+    feeds each step its own predicted feature, as it drafts). Step 0 drives EAGLE-1's static
+    tree; all are reported in the manifest.
 
     Also the greedy rounds of a chain of the head's top-1 drafts, as deep as the steps
     unrolled, replayed on the same replies (whole, and with `keep` cut to each reply's first
-    `keep` tokens): step s at row t is the chain rooted at t drafting token t+2+s with its own
+    `keep` tokens): step s at row t is the chain rooted at t drafting token t+2+s from its own
     earlier states and, while it has been right, the data's tokens, which is what the unrolled
-    (TTT) pass computes, so for EAGLE-3 the replay is exact; EAGLE-1 unrolls one step."""
+    pass computes, so the replay is exact (tests/test_eagle.py checks both kinds)."""
     from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
 
     head = objective.head
@@ -284,8 +285,9 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
         batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
         tokens = batch["tokens"]
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-        steps = objective.settings.ttt_steps if head.config.kind == "eagle3" else 1
-        if head.config.kind == "eagle3":
+        steps = objective.settings.ttt_steps
+        eagle3 = head.config.kind == "eagle3"
+        if eagle3:
             hidden = head.fuse([batch[f"h{t}"] for t in head.config.taps], None)
         else:
             embeds = F.embedding(shifted(tokens, 1), objective.embed)
@@ -297,6 +299,8 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
         right = torch.zeros(steps, *tokens.shape, dtype=torch.bool)  # step s's top-1 right at row t
         for step in range(steps):
             embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
+            if step and not eagle3:  # EAGLE-1 drafts on from fc([Emb(token); its predicted feature])
+                hidden = head.fuse([hidden], embeds)
             q, k, v = head.qkv(hidden, embeds, positions + step)
             k0, v0 = (k, v) if step == 0 else (k0, v0)
             if step:
@@ -306,7 +310,7 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             target = shifted(teacher, 1 + step)[valid]
             logits = head.logits(out[valid], objective.lm_head).float()
             ranked = logits.topk(RANKS, dim=-1).indices
-            if head.config.kind == "eagle3":
+            if eagle3:
                 ranked = head.draft_to_target[ranked]
             hits = (ranked == target[:, None])
             right[step][valid.cpu()] = hits[:, 0].cpu()
