@@ -44,7 +44,7 @@ def tree_hits(ranks: Tensor, mask: Tensor, paths: list[tuple[int, ...]]) -> list
     known = {tuple(p) for p in paths}
     depth = max((len(p) for p in paths), default=0)
     n = ranks.shape[1]
-    reply = torch.cat([mask.bool(), torch.zeros(depth + 1, dtype=torch.bool)])
+    reply = mask.bool().tolist() + [False] * (depth + 1)
     rank_rows, hits = ranks[:depth].T.tolist(), [[False] * n for _ in range(depth)]
     for t in range(n):
         for k in range(depth):
