@@ -90,9 +90,10 @@ def drafted_hits(tokens: Tensor, reply: Tensor, roots: list[int], drafted: list[
 def reply_rows(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     """From a feature cache's loss mask (row r: token r+1 is a reply token): which tokens are
     reply tokens, and where a round may start (a reply token followed by another)."""
-    none = torch.zeros(1, dtype=torch.bool)
-    reply = torch.cat([none, loss_mask[:-1].bool()])
-    return reply, reply & torch.cat([reply[1:], none])
+    from bench.core.training import round_starts
+
+    reply = torch.cat([torch.zeros(1, dtype=torch.bool), loss_mask[:-1].bool()])
+    return reply, round_starts(reply)
 
 
 def heldout_rounds(model, embed: Tensor, lm_head: Tensor, tensors: dict[str, Tensor],
@@ -101,9 +102,9 @@ def heldout_rounds(model, embed: Tensor, lm_head: Tensor, tensors: dict[str, Ten
     whole blocks verified: τ, the first draft's acceptance, and the first draft's agreement
     over every root; with `keep`, the same with each reply cut to its first `keep` tokens, as
     the grid's turns are (under `first_<keep>`)."""
-    from bench.core.training import first_reply_tokens, rounds_prediction
+    from bench.core.training import by_cut, first_reply_tokens, replay_cuts, rounds_prediction
 
-    cuts = [None] + ([keep] if keep else [])
+    cuts = replay_cuts(keep)
     totals = {cut: [0, 0, 0, 0, 0] for cut in cuts}  # rounds, accepted, first accepted, first-draft hits, roots
     for a, b in spans:
         tokens, mask = tensors["tokens"][a:b].long(), tensors["loss_mask"][a:b].bool()
@@ -119,12 +120,6 @@ def heldout_rounds(model, embed: Tensor, lm_head: Tensor, tensors: dict[str, Ten
             starts = cut_roots.nonzero().flatten().tolist()
             counts = simulated_rounds(hit, cut_roots.tolist()) + (sum(hit[0][s] for s in starts), len(starts))
             totals[cut] = [x + y for x, y in zip(totals[cut], counts)]
-    out = {}
-    for cut, (rounds, accepted, first, hits, count) in totals.items():
-        found = dict(rounds_prediction(rounds, accepted, first), first_draft_top1=round(hits / max(1, count), 4),
-                     roots=count)
-        if cut is None:
-            out.update(found)
-        else:
-            out[f"first_{cut}"] = found
-    return out
+    return by_cut({cut: dict(rounds_prediction(rounds, accepted, first),
+                             first_draft_top1=round(hits / max(1, count), 4), roots=count)
+                   for cut, (rounds, accepted, first, hits, count) in totals.items()})

@@ -273,12 +273,19 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
     `keep` tokens): step s at row t is the chain rooted at t drafting token t+2+s from its own
     earlier states and, while it has been right, the data's tokens, which is what the unrolled
     pass computes, so the replay is exact (tests/test_eagle.py checks both kinds)."""
-    from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
+    from bench.core.training import (
+        by_cut,
+        first_reply_tokens,
+        replay_cuts,
+        round_starts,
+        rounds_prediction,
+        simulated_rounds,
+    )
 
     head = objective.head
     counts: dict[int, Tensor] = {}
     totals: dict[int, int] = {}
-    cuts = [None] + ([keep] if keep else [])
+    cuts = replay_cuts(keep)
     rounds = {cut: [0, 0, 0] for cut in cuts}
     spans = batches.heldout_spans[:limit]
     for i in range(0, len(spans), 4):
@@ -323,14 +330,11 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
                 reply = mask if cut is None else first_reply_tokens(mask, 0, cut)
                 ahead = torch.cat([reply, torch.zeros(steps + 1, dtype=torch.bool)])
                 chain = [(right[s, row, :length] & ahead[1 + s: 1 + s + length]).tolist() for s in range(steps)]
-                starts = reply & torch.cat([reply[1:], torch.zeros(1, dtype=torch.bool)])  # not after a reply's last
-                found = simulated_rounds(chain, starts.tolist())
+                found = simulated_rounds(chain, round_starts(reply).tolist())
                 rounds[cut] = [a + b for a, b in zip(rounds[cut], found)]
     accuracy = {f"step{s}": [round(float(c) / max(1, totals[s]), 4) for c in counts[s]] for s in counts}
-    replay = dict(rounds_prediction(*rounds[None]), rounds_chain=f"top-1 chain, {len(counts)} deep")
-    if keep:
-        replay[f"first_{keep}"] = rounds_prediction(*rounds[keep])
-    return accuracy, replay
+    replay = by_cut({cut: rounds_prediction(*found) for cut, found in rounds.items()})
+    return accuracy, dict(replay, rounds_chain=f"top-1 chain, {len(counts)} deep")
 
 
 def _coerce(value, kind: type):

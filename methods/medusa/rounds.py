@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.training import first_reply_tokens, rounds_prediction, simulated_rounds
+from bench.core.training import (
+    by_cut,
+    first_reply_tokens,
+    replay_cuts,
+    round_starts,
+    rounds_prediction,
+    simulated_rounds,
+)
 from methods.medusa.tree import TOPK
 
 
@@ -70,7 +77,7 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict[str, Tensor], spans: l
     the same with each reply cut to its first `keep` tokens, as the grid's turns are (under
     `first_<keep>`)."""
     depth = max(len(p) for p in paths)
-    cuts = [None] + ([keep] if keep else [])
+    cuts = replay_cuts(keep)
     totals = {cut: [0, 0, 0, 0, 0] for cut in cuts}  # rounds, accepted, first accepted, head-0 hits, pairs
     with torch.no_grad():
         for a, b in spans:
@@ -78,17 +85,10 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict[str, Tensor], spans: l
             ranks = data_ranks(heads, lm_head, features["h"][a:b], tokens, depth, full.nonzero().flatten())
             for cut in cuts:
                 mask = full if cut is None else first_reply_tokens(full, 0, cut)
-                pairs = torch.zeros_like(mask)  # token t+1 and t+2 both reply tokens: a round may start at t
-                pairs[:-1] = mask[:-1] & mask[1:]
+                pairs = round_starts(mask)  # token t+1 and t+2 both reply tokens: a round may start at t
                 counts = simulated_rounds(tree_hits(ranks, mask, paths), pairs.tolist())
                 head0 = int(((ranks[0] == 0) & pairs).sum())
                 totals[cut] = [x + y for x, y in zip(totals[cut], counts + (head0, int(pairs.sum())))]
-    out: dict = {}
-    for cut, (rounds, accepted, first, hits, count) in totals.items():
-        found = dict(rounds_prediction(rounds, accepted, first), head0_top1=round(hits / max(1, count), 4),
-                     rows=count, tree_size=len(paths))
-        if cut is None:
-            out.update(found)
-        else:
-            out[f"first_{cut}"] = found
-    return out
+    return by_cut({cut: dict(rounds_prediction(rounds, accepted, first), head0_top1=round(hits / max(1, count), 4),
+                             rows=count, tree_size=len(paths))
+                   for cut, (rounds, accepted, first, hits, count) in totals.items()})

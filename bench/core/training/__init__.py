@@ -94,6 +94,27 @@ def first_reply_tokens(mask: Tensor, start: int, keep: int) -> Tensor:
     return cut
 
 
+def round_starts(reply: Tensor) -> Tensor:
+    """Where a greedy round may start in a sequence whose `reply[t]` marks a scored position:
+    at a reply position followed by another (not at a reply's last, whose next token is not drafted)."""
+    import torch
+
+    return reply & torch.cat([reply[1:], torch.zeros(1, dtype=torch.bool, device=reply.device)])
+
+
+def replay_cuts(keep: int | None) -> list[int | None]:
+    """The cuts a held-out replay runs: the whole replies (None) and, with `keep`, their first `keep` tokens."""
+    return [None] + ([keep] if keep else [])
+
+
+def by_cut(found: dict) -> dict:
+    """A replay's results keyed by cut (replay_cuts) as its record holds them: the whole
+    replies' fields at the top level, each cut's under `first_<keep>`."""
+    out = dict(found.get(None, {}))
+    out.update({f"first_{cut}": value for cut, value in found.items() if cut is not None})
+    return out
+
+
 def rounds_prediction(rounds: int, accepted: int, first: int) -> dict:
     """What simulated_rounds (summed over held-out sequences) predicts: τ and the first draft's acceptance."""
     return {"rounds": rounds, "rounds_tau": round(1 + accepted / max(1, rounds), 4),

@@ -171,10 +171,10 @@ class DraftDistillation:
         same replies (rounds, accepted, first accepted: bench.core.training.next_token_rounds),
         under None for whole replies and under `keep` for each reply cut to its first `keep`
         tokens."""
-        from bench.core.training import first_reply_tokens, next_token_rounds
+        from bench.core.training import first_reply_tokens, next_token_rounds, replay_cuts
 
         agreed, reached = [0] * depth, [0] * depth
-        rounds: dict[int | None, list[int]] = {cut: [0, 0, 0] for cut in [None] + ([keep] if keep else [])}
+        rounds: dict[int | None, list[int]] = {cut: [0, 0, 0] for cut in replay_cuts(keep)}
         for ex in examples:
             tokens = ex.tokens.to(self.device)
             rows = ex.loss_mask.nonzero().squeeze(-1).to(self.device)
@@ -230,7 +230,7 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop, rounds_prediction
+    from bench.core.training import GRID_REPLY_TOKENS, by_cut, heldout_prediction, loop, rounds_prediction
     from bench.core.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
@@ -292,8 +292,8 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         if held_examples:
             agreement, measured, rounds = objective.chain_agreement(held_examples, draft_settings.heldout_depth,
                                                                     keep=GRID_REPLY_TOKENS)
-            manifest["heldout"] = dict(heldout_prediction(agreement), **rounds_prediction(*rounds[None]),
-                                       **{f"first_{GRID_REPLY_TOKENS}": rounds_prediction(*rounds[GRID_REPLY_TOKENS])},
+            manifest["heldout"] = dict(heldout_prediction(agreement),
+                                       **by_cut({cut: rounds_prediction(*found) for cut, found in rounds.items()}),
                                        positions=measured, held_out=f"the first {len(held_examples)} conversations")
         manifest.update({
             "training": {
