@@ -214,6 +214,11 @@ def place_blocks(blocks: dict[str, str], readme: Path, results_readme: Path) -> 
     return files
 
 
+def _duration(seconds: float) -> str:
+    """A training time as hours, or minutes under an hour (a GPU run can take two)."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{max(1, round(seconds / 60))} min"
+
+
 def drafters_table() -> str:
     """The shipped drafters, each with what its manifest says of its training: the data, the
     trained tokens, epochs, steps, time, machine and command (`bench train` records the last two)."""
@@ -234,7 +239,7 @@ def drafters_table() -> str:
         rows.append({"target": target, "method": method, "data": data,
                      "trained tokens": f"{tokens / 1e6:.2f}M" if tokens else "not recorded",
                      "epochs": training.get("epochs", "-"), "steps": training.get("steps", "-"),
-                     "time": f"{elapsed / 3600:.1f} h" if elapsed else "-",
+                     "time": _duration(elapsed) if elapsed else "-",
                      "machine": "; ".join(sorted({r["machine"] for r in runs})) or "not recorded",
                      "command": f"`{command}`" if command else "not recorded"})
     if not rows:
