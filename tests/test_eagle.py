@@ -343,37 +343,40 @@ def test_fr_spec_drafts_only_frequent_tokens_and_stays_lossless(default_target, 
         registry.build_decoder("eagle3", target, {"draft_vocab": 512})
 
 
-def test_taps_option_fuses_the_layers_given_and_old_checkpoints_still_resume(default_target, tiny_training,
-                                                                            one_thread):
-    """`--option taps=2,15,30` (EAGLE-3, a named deviation): the head fuses those layers and the
-    drafter reads them back; left at its default the option is not in the run's identity, so a
-    checkpoint made before it existed resumes; bad values are one-line errors."""
+def test_taps_and_fc_norm_options_and_old_checkpoints_still_resume(default_target, tiny_training, one_thread):
+    """`--option taps=2,15,30` and `--option fc_norm=true` (EAGLE-3, named options): the head
+    fuses those layers, each RMS-normed before fc, and the drafter reads both back; left at
+    their defaults the options are not in the run's identity, so a checkpoint made before
+    they existed resumes; bad values are one-line errors."""
     import bench.registry as registry
     from methods.eagle.training import train_eagle
 
     settings = tiny_training("eagle3", 1, "eagle3-taps")
-    settings.options["taps"] = "2,15,30"
+    settings.options.update(taps="2,15,30", fc_norm="true")
     train_eagle(default_target, settings, "eagle3", "eagle3")
     manifest = json.loads((settings.out_dir / "drafter.json").read_text())
-    assert manifest["architecture"]["taps"] == [2, 15, 30]
+    assert manifest["architecture"]["taps"] == [2, 15, 30] and manifest["architecture"]["fc_norm"] is True
     state = json.loads((settings.out_dir / "checkpoint" / "state.json").read_text())
-    assert state["settings"]["train"]["taps"] == "2,15,30"
+    assert state["settings"]["train"]["taps"] == "2,15,30" and state["settings"]["train"]["fc_norm"] is True
     prompt = prompt_of(default_target)
     config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
     decoder = registry.build_decoder("eagle3", default_target, {"drafter": str(settings.out_dir)})
     assert decoder.run_turn(prompt, config).tokens == decode(default_target.engine, Drafter(), prompt, config).tokens
     default = tiny_training("eagle3", 1, "eagle3-default-taps")
     train_eagle(default_target, default, "eagle3", "eagle3")
-    assert "taps" not in json.loads((default.out_dir / "checkpoint" / "state.json").read_text())["settings"]["train"]
+    assert not {"taps", "fc_norm"} & set(json.loads((default.out_dir / "checkpoint" / "state.json").read_text())
+                                        ["settings"]["train"])
     for bad, message in (("2,x", "separated by commas"), ("2,2", "distinct"), ("0,15", "between 1 and 30")):
         wrong = tiny_training("eagle3", 1, "eagle3-bad")
         wrong.options["taps"] = bad
         with pytest.raises(BenchError, match=message):
             train_eagle(default_target, wrong, "eagle3", "eagle3")
     eagle1 = tiny_training("eagle1", 1, "eagle1-taps")
-    eagle1.options["taps"] = "2,15,30"
-    with pytest.raises(BenchError, match="EAGLE-3 option"):
-        train_eagle(default_target, eagle1, "eagle1", "eagle")
+    for option, value in (("taps", "2,15,30"), ("fc_norm", "true")):
+        eagle1 = tiny_training("eagle1", 1, "eagle1-" + option)
+        eagle1.options[option] = value
+        with pytest.raises(BenchError, match="EAGLE-3 option"):
+            train_eagle(default_target, eagle1, "eagle1", "eagle")
 
 
 @pytest.mark.parametrize("method,loop,kind", [("eagle3", "eagle3", "eagle3"), ("eagle", "eagle2", "eagle1")])

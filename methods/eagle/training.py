@@ -60,6 +60,8 @@ class EagleTrainSettings:
     max_len: int = FeatureData.max_len
     self_distill: bool = False  # train on the target's own greedy replies to ShareGPT prompts
     shared_lm_head: bool = False  # eagle3: the target's lm_head rows, frozen, not stored (a named deviation)
+    fc_norm: bool = False  # eagle3: an RMSNorm per tap before fc (SpecForge's EAGLE-3.1, a named option:
+    #                        the paper's taps of this target differ ~9x in scale, results/README)
     taps: str = ""  # eagle3: the target layers fused, e.g. "2,15,30" (HF hidden_states numbering; a named
     #                 deviation); "" = the paper's low/mid/high, eagle3_taps
 
@@ -406,6 +408,10 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         if kind != "eagle3":
             raise BenchError("shared_lm_head is an EAGLE-3 option (EAGLE-1 always projects with the target's lm_head)")
         config.shared_lm_head = True
+    if train_settings.fc_norm:
+        if kind != "eagle3":
+            raise BenchError("fc_norm is an EAGLE-3 option (EAGLE-1's fc reads one feature and a token)")
+        config.fc_norm = True
     torch.manual_seed(settings.seed)
     head = EagleHead(config)
     if config.draft_vocab_size:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 # Training options added after at-scale runs began, with their defaults: left out of a run's
 # identity while at the default (its checkpoint's, so older checkpoints resume, and the run id
 # of its scaling runs, so the copies kept before and the drafter exported after agree).
-LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False}
+LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False,
+                                     "fc_norm": False}
 
 
 def without_later_defaults(settings: dict) -> dict:
