@@ -12,7 +12,6 @@ conversations the heads train on.
 from __future__ import annotations
 
 import click
-import torch
 
 from scripts.mtp_rounds import write_record
 
@@ -42,9 +41,9 @@ def main(taps: str, rows: int, top: int, out: str) -> None:
                             "dim_mean_abs_median": round(float(per_dim.median()), 3),
                             "largest_dims": largest.indices.tolist(),
                             "largest_dim_mean_abs": [round(v, 2) for v in largest.values.tolist()]}
+        dims = ", ".join(f"{v:.1f} (dim {i})" for i, v in zip(largest.indices.tolist(), largest.values.tolist()))
         click.echo(f"h{tap}: row RMS median {found[f'h{tap}']['row_rms_median']:.2f}; mean |x| per dimension: "
-                   f"median {found[f'h{tap}']['dim_mean_abs_median']:.2f}, largest "
-                   f"{', '.join(f'{v:.1f} (dim {i})' for i, v in zip(largest.indices.tolist(), largest.values.tolist()))}")
+                   f"median {found[f'h{tap}']['dim_mean_abs_median']:.2f}, largest {dims}")
     result = {"what": "scale of the target states the EAGLE heads read, on reply rows of the training feature cache",
               "features": str(store.folder), "reply_rows": int(reply.numel()), "taps": found}
     click.echo(f"-> {write_record(out, 'eagle3-tap-scales', result)}")
