@@ -198,6 +198,12 @@ def scaling_tag(tokens: int, run: str) -> str:
     return f"scale-{tokens}-{run}"
 
 
+def scaling_tokens(series: str) -> int | None:
+    """The training tokens a scaling series names (scaling_runs tags each drafter with its manifest's count)."""
+    match = SCALING_TAG.match(series)
+    return int(match["tokens"]) if match else None
+
+
 def scaling_run(series: str) -> str | None:
     """The training run a scaling series names (None: not a scaling series, or the older form)."""
     match = SCALING_TAG.match(series)

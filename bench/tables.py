@@ -29,7 +29,17 @@ import pandas as pd
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, RunFile, parse_tag, pool_repeats, read_run, record_files, scaling_run
+from bench.records import (
+    BASELINE,
+    Problem,
+    RunFile,
+    parse_tag,
+    pool_repeats,
+    read_run,
+    record_files,
+    scaling_run,
+    scaling_tokens,
+)
 from bench.specbench import speedup_specbench
 
 CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
@@ -380,7 +390,9 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             drafter = run.settings.get("drafter") if isinstance(run.settings.get("drafter"), dict) else {}
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
-                "trained_tokens": drafter.get("trained_tokens"),
+                # Not every method's records carry it (MTP, Medusa): then the scaling tag's count.
+                "trained_tokens": drafter.get("trained_tokens") or (scaling_tokens(run.series)
+                                                                    if run.method != BASELINE else None),
                 "drafter_run": _drafter_run(run.series, drafter),
                 "drafter_weights": drafter.get("weights_sha1"),
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),

@@ -660,6 +660,14 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
 
     fit = scaling_fit(scaling_rows(build_tables(load_records(tmp_path)).per_task)).set_index("run")
     assert fit.loc[later, "sizes"] == 3 and fit.loc[first, "sizes"] == 2  # a line per run, not one mixed
+    # A method whose records do not carry the count (MTP's, Medusa's) is placed by its tag's.
+    tag = scaling_tag(3_000_000, later)
+    write_run(tmp_path, "mtbench", "ar", tag, [turn(q, n) for q, n in keys])
+    write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
+                                                     proposed=(3, 3, 3), accepted=(2, 2, 2)) for q, n in keys],
+              drafter={"drafter": "out"})
+    fit = scaling_fit(scaling_rows(build_tables(load_records(tmp_path)).per_task)).set_index("run")
+    assert fit.loc[later, "sizes"] == 4
 
 
 def test_scaling_fit_extrapolates_to_the_goal():
