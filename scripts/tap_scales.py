@@ -20,16 +20,18 @@ from scripts.mtp_rounds import write_record
 @click.option("--taps", default="2,15,27,30", show_default=True, help="states measured (HF hidden_states numbering)")
 @click.option("--rows", default=20000, show_default=True, help="reply rows read, from the cache's first conversations")
 @click.option("--top", default=5, show_default=True, help="largest dimensions listed per tap")
+@click.option("--tokens", default=5_000_000, show_default=True,
+              help="the feature cache's size (make train-at-scale's SCALE_TOKENS); extracted first if missing")
 @click.option("--out", default="results/smollm2-135m/ablation", show_default=True)
-def main(taps: str, rows: int, top: int, out: str) -> None:
+def main(taps: str, rows: int, top: int, tokens: int, out: str) -> None:
     import methods  # noqa: F401  (the shipped distilled data the cache was extracted from)
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.features import FeatureData, ensure_features
 
     target = load_target(None, "cpu", resolve_dtype("auto", "cpu"))
     wanted = tuple(int(t) for t in taps.split(","))
-    data = FeatureData(max_tokens=5_000_000, max_len=512, seed=0, self_distill=True)
-    store = ensure_features(target, wanted, data, progress=False)
+    data = FeatureData(max_tokens=tokens, max_len=512, seed=0, self_distill=True)
+    store = ensure_features(target, wanted, data)  # a progress bar where it must extract
     tensors = store.load(wanted)
     reply = tensors["loss_mask"].bool().nonzero().flatten()[:rows]
     found = {}
