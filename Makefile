@@ -196,7 +196,9 @@ SCALE_UNSHIPPED := mtp-parallel eagle3-fcnorm  # trained and kept in SCALE_OUT, 
 SCALE_DATA ?= --option self_distill=true --option feature_tokens=$(SCALE_TOKENS) --epochs 2 --export-minutes 120
 SCALE_TRAIN ?= eagle3 dflash dspark eagle mtp mtp-parallel medusa sps
 TRAIN_ARGS ?=
-SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6
+# --compile: the training-time-test layer step through torch.compile (the unfused attention's
+# elementwise passes cost more than its matmuls on a CPU; records in results/<target>/profile/).
+SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 --compile
 # EAGLE-3 with SpecForge's EAGLE-3.1 per-tap RMSNorm before fc (a named option): this target's paper
 # taps differ ~9x in scale (scripts/tap_scales.py); kept, not shipped, until compared with the shipped head.
 SCALE_ARGS_eagle3-fcnorm := $(SCALE_ARGS_eagle3) --option fc_norm=true

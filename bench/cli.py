@@ -149,9 +149,13 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 @click.option("--keep-at", default=None,
               help="trained-token counts (e.g. 2e5,1e6) at which a copy of the drafter is kept in OUT/kept/ "
                    "(for the scaling figure)")
+@click.option("--compile", "compile_", is_flag=True,
+              help="run the trainer's hot functions through torch.compile (eagle3; needs a C++ compiler on a CPU; "
+                   "the first steps wait minutes for it, later runs reuse $BENCH_CACHE/inductor)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
-          checkpoint_minutes, export_minutes, stop_after, data_limit, threads, precision, keep_at, options) -> None:
+          checkpoint_minutes, export_minutes, stop_after, data_limit, threads, precision, keep_at, compile_,
+          options) -> None:
     """Train a drafter for a target on ShareGPT (resumable; checkpoints every few minutes)."""
     import importlib
     import time
@@ -170,16 +174,19 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     from pathlib import Path
 
     from bench.core.drafters import user_dir
-    from bench.core.target import default_device, load_target, resolve_dtype
+    from bench.core.target import cache_dir, default_device, load_target, resolve_dtype
     from bench.core.training import TrainSettings
     from bench.core.training.loop import exclusive_folder
     from bench.core.training.status import COMMAND
-    from bench.registry import get_method
+    from bench.registry import METHODS, get_method
     from bench.run import check_device
 
     info = get_method(method)
     if not info.trained:
         raise BenchError(f"method '{method}' has nothing to train")
+    if compile_ and not info.compiles:
+        with_it = ", ".join(m.name for m in METHODS.values() if m.compiles)
+        raise BenchError(f"--compile: the {method} trainer has no compiled path (methods with one: {with_it})")
     try:
         keep = tuple(sorted({int(float(x)) for x in keep_at.split(",") if x.strip()})) if keep_at else ()
     except ValueError:
@@ -200,7 +207,9 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         device=device or default_device(), checkpoint_every_s=60 * checkpoint_minutes,
         export_every_s=None if export_minutes is None else 60 * export_minutes, data_limit=data_limit,
         options=option_pairs(options), precision=precision, keep_at=keep, epochs=epochs,
-        stop_at=None if stop_after is None else invoked + 60 * stop_after)
+        stop_at=None if stop_after is None else invoked + 60 * stop_after, compile=compile_)
+    if compile_:  # inductor's compiled kernels where the drafters are cached, so the next run starts in seconds
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     click.echo(f"training {method} drafter for {loaded.name} (output folder on the last line)")
     with exclusive_folder(settings.out_dir):
         (settings.out_dir / COMMAND).write_text(_command_line() + "\n")  # what `bench train --status` says resumes it

@@ -23,6 +23,7 @@ class MethodInfo:
     summary: str
     lossless: bool = True
     trained: bool = False  # needs a drafter trained for the target (`bench train`)
+    compiles: bool = False  # `bench train --compile` runs its trainer's hot functions through torch.compile
 
 
 METHODS: dict[str, MethodInfo] = {m.name: m for m in [
@@ -41,7 +42,7 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("eagle", "methods.eagle", "EAGLE-1: feature-level AR head, static tree", trained=True),
     MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True),
     MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
-               trained=True),
+               trained=True, compiles=True),
     MethodInfo("dflash", "methods.dflash", "DFlash: block-diffusion drafter on fused target features, b-token chain",
                trained=True),
     MethodInfo("ddtree", "methods.ddtree", "DDTree: best-first tree from one DFlash pass under a node budget",

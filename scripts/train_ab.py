@@ -7,7 +7,7 @@ with its spread over rounds, and the first steps' losses of both (the same seed 
 they differ only by rounding when the change keeps the arithmetic):
 
     python -m scripts.train_ab --method medusa --base 1e8349a [--rounds 2] [--steps 6] \\
-        [--base-env MALLOC_CONF=dirty_decay_ms:10000] [--cpu 0] -- --option num_heads=5 ...
+        [--base-env MALLOC_CONF=dirty_decay_ms:10000] [--current-arg=--compile] [--cpu 0] -- --option num_heads=5 ...
     -> results/<target>/profile/train-ab-<method>-<label>-<machine>.json
 
 Only the steps are timed (each run's start is not); a run is stopped once its log holds N
@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--method", required=True)
     parser.add_argument("--base", default="HEAD", help="git revision of the base (default: this checkout's HEAD)")
     parser.add_argument("--base-env", action="append", default=[], help="KEY=VALUE set for the base runs only")
+    parser.add_argument("--current-arg", action="append", default=[],
+                        help="a `bench train` argument for this checkout's runs only, e.g. --current-arg=--compile")
     parser.add_argument("--label", default=None, help="name of the comparison in the record's file name")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="steps logged per run (the first is not timed)")
@@ -92,7 +94,7 @@ def main() -> None:
             for _ in tqdm(range(args.rounds), desc="rounds (base, then current)"):
                 out = Path(scratch) / "out"
                 runs["base"].append(run(base_checkout, base_env, train_args, args.steps, out, args.cpu))
-                runs["current"].append(run(root, env, train_args, args.steps, out, args.cpu))
+                runs["current"].append(run(root, env, train_args + args.current_arg, args.steps, out, args.cpu))
         finally:
             if base_checkout != root:
                 subprocess.run(["git", "worktree", "remove", "--force", str(base_checkout)], capture_output=True)
@@ -102,6 +104,7 @@ def main() -> None:
     record = {"what": f"`bench train --method {args.method}` step seconds, base vs this checkout, alternating "
                       "fresh processes (each step after the first)",
               "method": args.method, "train_args": train_args, "base": {"revision": base_sha, "env": args.base_env},
+              "current_args": args.current_arg,
               "rounds": args.rounds,
               "step_seconds": {name: [step_seconds(rows) for rows in rounds] for name, rounds in runs.items()},
               "median_step_s": medians, "base_over_current": {"median": statistics.median(ratios),

@@ -421,3 +421,42 @@ def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method
     assert (replay["rounds"], replay["rounds_tau"], replay["rounds_a1"]) == (
         len(accepted), round(1 + sum(accepted) / len(accepted), 4),
         round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)
+
+
+def test_compiled_training_step_trains_the_same_head(default_target, one_thread, tmp_path, monkeypatch):
+    """`bench train --compile`: EAGLE-3's training-time-test layer step, scoring and teacher
+    through torch.compile give the eager step's loss, metrics and gradients (fp32, batches of
+    different lengths: the graphs' shapes are dynamic); methods without a compiled path refuse
+    the flag."""
+    from click.testing import CliRunner
+
+    from bench.cli import main
+    from methods.eagle.training import EagleObjective, EagleTrainSettings
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    engine = default_target.engine
+    head = random_head(default_target, "eagle3")  # the full vocabulary: every position is scored
+    settings = EagleTrainSettings(ttt_steps=2)
+    embed, lm_head = engine.embed.float(), engine.lm_head.float()
+    eager = EagleObjective(head, embed, lm_head, 30, settings)
+    compiled = EagleObjective(head, embed, lm_head, 30, settings, compile=True)
+    generator = torch.Generator().manual_seed(0)
+    for width in (24, 17):
+        lengths = torch.tensor([width, width - 5])
+        batch = {"tokens": torch.randint(0, 49152, (2, width), generator=generator), "lengths": lengths,
+                 "mask": torch.arange(width)[None] < lengths[:, None]}
+        for tap in sorted(set(head.config.taps) | {30}):
+            batch[f"h{tap}"] = torch.randn(2, width, 576, generator=generator) * 3
+        grads = []
+        for objective in (eager, compiled):
+            head.zero_grad()
+            loss, metrics = objective.loss(batch)
+            loss.backward()
+            grads.append((loss.detach(), metrics, [p.grad.clone() for _, p in objective.named_parameters()]))
+        (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = grads
+        assert torch.allclose(loss_a, loss_b, rtol=1e-5) and metrics_a["tokens"] == metrics_b["tokens"]
+        assert all(abs(metrics_a[k] - metrics_b[k]) < 1e-4 for k in metrics_a)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b))
+    result = CliRunner().invoke(main, ["train", "--method", "medusa", "--compile", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "no compiled path (methods with one: eagle3)" in result.output
+    assert not (tmp_path / "out").exists()

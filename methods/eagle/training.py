@@ -133,8 +133,14 @@ class EagleObjective:
     """Loss of one batch for either kind; `named_parameters` are the head's trainable ones."""
 
     def __init__(self, head: EagleHead, embed: Tensor, lm_head: Tensor, final_tap: int,
-                 settings: EagleTrainSettings, autocast: bool = False) -> None:
+                 settings: EagleTrainSettings, autocast: bool = False, compile: bool = False) -> None:
         self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
+        # EAGLE-3's layer step, scoring and teacher through torch.compile (inductor): on a CPU the
+        # unfused attention's masks, casts and softmax over [B, H, T, T] and the vocabulary-wide
+        # passes cost more than the matmuls. Shapes dynamic (one layer graph per step count); the
+        # same functions either way.
+        compiled = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
+        self.layer, self.score, self.teacher = (compiled(f) for f in (self._ttt_layer, self._score, self._teacher))
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
@@ -187,6 +193,32 @@ class EagleObjective:
         return loss, {"feature": float(feature_loss.detach()), "ce": float(token_loss.detach()), "acc": acc,
                       "tokens": int(valid.sum())}
 
+    def _ttt_layer(self, hidden: Tensor, embeds: Tensor, positions: Tensor, k0: Tensor | None, v0: Tensor | None,
+                   diagonal: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """One training-time-test step of the layer: (its output, its k, its v). Step 0 (k0 None)
+        attends causally to its own keys; step i also to the same position's keys of steps 1..i."""
+        q, k, v = self.head.qkv(hidden, embeds, positions)
+        if k0 is None:
+            k0, v0 = k, v
+        else:
+            diagonal = [*diagonal, (k, v)]
+        return self.head.finish(hidden, self._ttt_attention(q, k0, v0, diagonal)), k, v
+
+    def _teacher(self, final: Tensor, draft_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The target's greedy token at each of these final states, its distribution restricted
+        to the draft vocabulary, and whether that token lies in it."""
+        full = F.linear(final, self.lm_head).float()
+        argmax = full.argmax(-1)
+        return argmax, full[:, draft_ids].softmax(-1), torch.isin(argmax, draft_ids)
+
+    def _score(self, out: Tensor, probs: Tensor, in_vocab: Tensor, greedy: Tensor) -> tuple[Tensor, Tensor]:
+        """One step's soft cross-entropy against the target's probabilities over the draft
+        vocabulary, averaged where the target's argmax lies in it, and where the head's argmax
+        is the target's greedy token (never where that lies outside the draft vocabulary)."""
+        logits = self.head.logits(out, self.lm_head).float()
+        ce = (soft_cross_entropy(logits, probs) * in_vocab).sum() / in_vocab.sum()
+        return ce, in_vocab & agrees(logits.detach(), greedy)
+
     def _ttt_attention(self, q: Tensor, k0: Tensor, v0: Tensor, diagonal: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Queries [B,H,T,hd] over step-0 keys (causal) and the same position's keys of
         later steps (diagonal). Keys/values [B,Hkv,T,hd] are expanded for GQA."""
@@ -224,36 +256,27 @@ class EagleObjective:
         with torch.no_grad():
             rows = torch.zeros_like(any_valid)
             rows[:, 1:] = any_valid[:, :-1]
-            full = F.linear(final[rows], self.lm_head).float()
-            argmax_rows = full.argmax(-1)
-            probs_rows = full[:, draft_ids].softmax(-1)
-            in_vocab_rows = torch.isin(argmax_rows, draft_ids)
-            del full
+            argmax_rows, probs_rows, in_vocab_rows = self.teacher(final[rows], draft_ids)
             row_index = torch.full(rows.shape, -1, dtype=torch.long, device=rows.device)
             row_index[rows] = torch.arange(int(rows.sum()), device=rows.device)
         for step in range(s.ttt_steps):
             embeds = F.embedding(shifted(tokens, 1 + step), self.embed)
-            q, k, v = head.qkv(hidden, embeds, base_positions + step)
+            out, k, v = self.layer(hidden, embeds, base_positions + step, k0, v0, diagonal)
             if step == 0:
                 k0, v0 = k, v
             else:
                 diagonal.append((k, v))
-            attn = self._ttt_attention(q, k0, v0, diagonal)
-            out = head.finish(hidden, attn)
             valid, _ = self.labels(batch, step)
             valid = valid & shifted(rows, 1 + step, False)
             with torch.no_grad():
                 at_batch, at_row = valid.nonzero(as_tuple=True)  # labels at row t+1+step (< length)
                 label = row_index[at_batch, at_row + 1 + step]
                 in_vocab = in_vocab_rows[label]
-            logits = head.logits(out[valid], self.lm_head).float()
             if in_vocab.any():
-                ce = (soft_cross_entropy(logits, probs_rows[label]) * in_vocab).sum() / in_vocab.sum()
+                greedy = torch.searchsorted(draft_ids, argmax_rows[label]).clamp(max=draft_ids.numel() - 1)
+                ce, agree = self.score(out[valid], probs_rows[label], in_vocab, greedy)
                 total = total + s.step_decay ** step * ce
                 weight_sum += s.step_decay ** step
-                # the head's argmax is the target's greedy token (never, where that is outside the draft vocabulary)
-                agree = in_vocab & agrees(logits.detach(), torch.searchsorted(draft_ids, argmax_rows[label]).clamp(
-                    max=draft_ids.numel() - 1))
                 metrics[f"acc{step}"] = float(agree.float().mean())
                 metrics[f"ce{step}"] = float(ce.detach())
             hidden = out
@@ -310,11 +333,11 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
             embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
             if step and not eagle3:  # EAGLE-1 drafts on from fc([Emb(token); its predicted feature])
                 hidden = head.fuse([hidden], embeds)
-            q, k, v = head.qkv(hidden, embeds, positions + step)
-            k0, v0 = (k, v) if step == 0 else (k0, v0)
-            if step:
+            out, k, v = objective._ttt_layer(hidden, embeds, positions + step, k0, v0, diagonal)
+            if step == 0:
+                k0, v0 = k, v
+            else:
                 diagonal.append((k, v))
-            out = head.finish(hidden, objective._ttt_attention(q, k0, v0, diagonal))
             valid, _ = objective.labels(batch, step)
             target = shifted(teacher, 1 + step)[valid]
             logits = head.logits(out[valid], objective.lm_head).float()
@@ -388,6 +411,8 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     options = {k: _coerce(v, type(getattr(EagleTrainSettings, k))) for k, v in settings.options.items()}
     train_settings = EagleTrainSettings(**options)
     num_layers = target.config.num_hidden_layers
+    if settings.compile and kind != "eagle3":
+        raise BenchError("--compile is for EAGLE-3's training-time test (EAGLE-1 trains one step per position)")
     if train_settings.taps and kind != "eagle3":
         raise BenchError("taps is an EAGLE-3 option (EAGLE-1 reads the target's last layer)")
     taps = [num_layers] if kind != "eagle3" else (parse_taps(train_settings.taps, num_layers) if train_settings.taps
@@ -420,7 +445,8 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     engine = target.engine
     head.to(settings.device)
     embed, lm_head = (w.float().to(settings.device) for w in (engine.embed, engine.lm_head))
-    objective = EagleObjective(head, embed, lm_head, num_layers, train_settings, settings.bf16_autocast())
+    objective = EagleObjective(head, embed, lm_head, num_layers, train_settings, settings.bf16_autocast(),
+                               compile=settings.compile)
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "kind": kind, "target": target_info, "batch_size": settings.batch_size,

@@ -144,6 +144,7 @@ class TrainSettings:
     keep_at: tuple[int, ...] = ()  # trained-token counts at which a copy of the drafter is kept (scaling figure)
     epochs: float | None = None  # set: max_steps = passes over the trainer's training data (its batch units)
     stop_at: float | None = None  # time.time() at which this invocation stops (export, checkpoint); a rerun resumes
+    compile: bool = False  # the trainer's hot functions through torch.compile, where it has them (not in its identity)
 
     def bf16_autocast(self) -> bool:
         """Whether the drafter's matmuls run under bf16 autocast (fp32 master weights and

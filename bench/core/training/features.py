@@ -453,4 +453,6 @@ def training_manifest(step: int, settings, method_settings, store: FeatureStore,
                           for k in keys if any(k in r for r in last)},
         "tokens_seen": log_rows[-1].get("tokens_seen", 0) if log_rows else 0,
         "elapsed_s": log_rows[-1]["elapsed_s"] if log_rows else None, "git_sha": git_sha(), "exported_at": timestamp(),
+        # the exporting invocation's (a resumed run's earlier steps may have run eager)
+        **({"compiled": True} if getattr(settings, "compile", False) else {}),
     }
