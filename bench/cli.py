@@ -150,8 +150,8 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
               help="trained-token counts (e.g. 2e5,1e6) at which a copy of the drafter is kept in OUT/kept/ "
                    "(for the scaling figure)")
 @click.option("--compile", "compile_", is_flag=True,
-              help="run the trainer's hot functions through torch.compile (eagle3; needs a C++ compiler on a CPU; "
-                   "the first steps wait minutes for it, later runs reuse $BENCH_CACHE/inductor)")
+              help="run the trainer's hot functions through torch.compile (eagle3, dflash, dspark; needs a C++ "
+                   "compiler on a CPU; the first steps wait minutes for it, later runs reuse $BENCH_CACHE/inductor)")
 @click.option("--option", "options", multiple=True, help="method training option key=value (repeatable)")
 def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_len, lr, warmup_steps, seed, device,
           checkpoint_minutes, export_minutes, stop_after, data_limit, threads, precision, keep_at, compile_,

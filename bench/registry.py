@@ -44,11 +44,11 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
                trained=True, compiles=True),
     MethodInfo("dflash", "methods.dflash", "DFlash: block-diffusion drafter on fused target features, b-token chain",
-               trained=True),
+               trained=True, compiles=True),
     MethodInfo("ddtree", "methods.ddtree", "DDTree: best-first tree from one DFlash pass under a node budget",
                trained=True),
     MethodInfo("dspark", "methods.dspark", "DSpark: DFlash backbone + Markov and confidence heads, scheduled verify",
-               trained=True),
+               trained=True, compiles=True),
 ]}
 
 

@@ -366,7 +366,8 @@ def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     """loss_chunk_rows computes the loss over the scored slots a chunk at a time (each chunk's
     logits recomputed in the backward) and checkpoint_layers recomputes the draft layers there:
     the same loss, metrics and gradients as all at once, up to the order of the sums; with
-    DSpark's Markov head, L1 and confidence terms too."""
+    DSpark's Markov head, L1 and confidence terms too; and so do the slots' terms through
+    torch.compile (`bench train --compile`), chunked and recomputed."""
     from methods.dflash.training import DSPARK_DEFAULTS
 
     model = random_model(default_target, block=4, markov=8 if dspark else 0, confidence=dspark, anchor=dspark,
@@ -380,23 +381,25 @@ def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     options = {k: v for k, v in DSPARK_DEFAULTS.items() if k in ("ce_weight", "l1_weight", "bce_weight")} \
         if dspark else {}
     results = []
-    for chunk, recompute in ((0, False), (7, True)):
+    for chunk, recompute, compiled in ((0, False, False), (7, True, False), (7, True, True)):
         objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, final,
                                    BlockTrainSettings(block_size=4, anchors=5, loss_chunk_rows=chunk,
-                                                      checkpoint_layers=recompute, **options))
+                                                      checkpoint_layers=recompute, **options), compile=compiled)
         model.zero_grad()
         torch.manual_seed(1)  # the same anchors
         loss, metrics = objective.loss(batch)
         loss.backward()
         results.append((float(loss), metrics, {n: p.grad.clone() for n, p in model.named_parameters()
                                                 if p.grad is not None}))
-    (whole, whole_metrics, whole_grads), (chunked, chunked_metrics, chunked_grads) = results
-    assert whole_metrics["tokens"] == chunked_metrics["tokens"] and set(whole_metrics) == set(chunked_metrics)
-    assert chunked == pytest.approx(whole, rel=1e-5)
-    assert all(chunked_metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in whole_metrics.items())
-    assert set(whole_grads) == set(chunked_grads) and (not dspark or any("markov" in n for n in whole_grads))
-    for name, grad in whole_grads.items():
-        assert float((chunked_grads[name] - grad).norm()) <= 1e-4 * float(grad.norm()) + 1e-9, name  # fp32 sums
+    (whole, whole_metrics, whole_grads) = results[0]
+    assert not dspark or any("markov" in n for n in whole_grads)
+    for chunked, chunked_metrics, chunked_grads in results[1:]:
+        assert whole_metrics["tokens"] == chunked_metrics["tokens"] and set(whole_metrics) == set(chunked_metrics)
+        assert chunked == pytest.approx(whole, rel=1e-5)
+        assert all(chunked_metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in whole_metrics.items())
+        assert set(whole_grads) == set(chunked_grads)
+        for name, grad in whole_grads.items():
+            assert float((chunked_grads[name] - grad).norm()) <= 1e-4 * float(grad.norm()) + 1e-9, name  # fp32 sums
 
 
 def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):

@@ -458,5 +458,5 @@ def test_compiled_training_step_trains_the_same_head(default_target, one_thread,
         assert all(abs(metrics_a[k] - metrics_b[k]) < 1e-4 for k in metrics_a)
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b))
     result = CliRunner().invoke(main, ["train", "--method", "medusa", "--compile", "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "no compiled path (methods with one: eagle3)" in result.output
+    assert result.exit_code == 2 and "no compiled path (methods with one: eagle3, dflash, dspark)" in result.output
     assert not (tmp_path / "out").exists()

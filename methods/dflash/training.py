@@ -92,8 +92,12 @@ DSPARK_DEFAULTS = {"markov_rank": 64, "enable_confidence_head": True, "sample_fr
 
 class BlockObjective:
     def __init__(self, model: BlockDraftModel, embed: Tensor, lm_head: Tensor, final_tap: int,
-                 settings: BlockTrainSettings, autocast: bool = False) -> None:
+                 settings: BlockTrainSettings, autocast: bool = False, compile: bool = False) -> None:
         self.autocast = autocast  # bf16 matmuls; fp32 master weights and softmaxes
+        # The scored slots' terms through torch.compile (inductor, shapes dynamic): on a CPU their
+        # unfused passes over [slots, vocabulary] (softmaxes, casts, L1, argmax) cost more than
+        # the lm_head matmuls. The same function either way.
+        self.terms = torch.compile(self.row_terms, dynamic=True) if compile else self.row_terms
         self.model = model
         self.embed = embed
         self.lm_head = lm_head  # the target's rows of the draft vocabulary [Vd, d]
@@ -185,9 +189,9 @@ class BlockObjective:
                 inputs = (out["hidden"][a:a + chunk], out["teacher"][a:a + chunk], out["previous"][a:a + chunk],
                           out["label"][a:a + chunk], weights[a:a + chunk])
                 if chunk < rows and torch.is_grad_enabled():  # this chunk's logits are freed until the backward
-                    parts.append(checkpoint(self.row_terms, *inputs, use_reentrant=False))
+                    parts.append(checkpoint(self.terms, *inputs, use_reentrant=False))
                 else:
-                    parts.append(self.row_terms(*inputs))
+                    parts.append(self.terms(*inputs))
             ce_sum, l1_sum, tv_sum, bce_sum, hits, conf_sum = (torch.cat(t) if i == 4 else sum(t[1:], t[0])
                                                                 for i, t in enumerate(zip(*parts)))
             loss = s.ce_weight * ce_sum / norm
@@ -392,7 +396,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     model.to(settings.device)
     embed = engine.embed.float().to(settings.device)
     lm_head = engine.lm_head.float().to(settings.device)[model.draft_to_target.to(settings.device)]
-    objective = BlockObjective(model, embed, lm_head, num_layers, train_settings, settings.bf16_autocast())
+    objective = BlockObjective(model, embed, lm_head, num_layers, train_settings, settings.bf16_autocast(),
+                               compile=settings.compile)
     batches = FeatureBatches(tensors, taps, num_layers, settings.batch_size, settings.seed)
     target_info = {"name": target.name, "fingerprint": target.fingerprint, "vocab_size": vocab}
     identity = {"method": method, "target": target_info, "batch_size": settings.batch_size,
