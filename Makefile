@@ -198,7 +198,9 @@ SCALE_TRAIN ?= eagle3 dflash dspark eagle mtp mtp-parallel medusa sps
 TRAIN_ARGS ?=
 # --compile (EAGLE-3, DFlash, DSpark): the trainers' hot functions through torch.compile (their unfused
 # elementwise passes cost more than the matmuls on a CPU; results/<target>/profile/train-ab-*-compile-*).
-SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 --compile
+# scripts/gpu_scale.py sets SCALE_COMPILE empty: on a lent GPU the eager path is the one tested there.
+SCALE_COMPILE ?= --compile
+SCALE_ARGS_eagle3 := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
 # EAGLE-3 with SpecForge's EAGLE-3.1 per-tap RMSNorm before fc (a named option): this target's paper
 # taps differ ~9x in scale (scripts/tap_scales.py); kept, not shipped, until compared with the shipped head.
 SCALE_ARGS_eagle3-fcnorm := $(SCALE_ARGS_eagle3) --option fc_norm=true
@@ -208,8 +210,8 @@ SCALE_ARGS_eagle3-fcnorm := $(SCALE_ARGS_eagle3) --option fc_norm=true
 # of the first-draft examples EAGLE's heads saw (scripts/first_draft_curves.py). About 5x the rows
 # of a 64-anchor step: meant for a GPU (BLOCK_ANCHORS="--option anchors=64" for the earlier runs).
 BLOCK_ANCHORS := --option anchors=512 --option loss_chunk_rows=4096 --option checkpoint_layers=true
-SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 --compile
-SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 --compile
+SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
+SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
 SCALE_ARGS_eagle :=
 SCALE_ARGS_mtp := --option variant=sequential --keep-at 2e5,1e6
 SCALE_ARGS_mtp-parallel := --option variant=parallel

@@ -216,7 +216,8 @@ SCALE_OUT = Path.home() / ".cache" / "spec-bench" / "drafters-scale"  # each met
 
 def _make(args: str, tokens: str | None, methods: str) -> list[str]:
     command = ["make", "train-at-scale", "SETUP=", f"BENCH={sys.executable} -m bench.cli",
-               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}", f"SCALE_OUT={SCALE_OUT}"]
+               f"SCALE_TRAIN={methods}", f"TRAIN_ARGS={args}", f"SCALE_OUT={SCALE_OUT}",
+               "SCALE_COMPILE="]  # eager on the GPU: the path run there before (compiled only tested on CPUs)
     return command + ([f"SCALE_TOKENS={tokens}"] if tokens else [])
 
 
