@@ -2,6 +2,7 @@
 context cache, training and resume, our drafter format and the published formats."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -423,6 +424,7 @@ def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method
         round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on a CPU needs a C++ compiler")
 def test_compiled_training_step_trains_the_same_head(default_target, one_thread, tmp_path, monkeypatch):
     """`bench train --compile`: EAGLE-3's training-time-test layer step, scoring and teacher
     through torch.compile give the eager step's loss, metrics and gradients (fp32, batches of
