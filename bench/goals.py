@@ -60,7 +60,9 @@ def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
             needed = float(largest["trained_tokens"])
         elif goal is not None and slope > 0:
             needed = 10 ** ((goal - intercept) / slope)
+        weights = largest.get("drafter_id") if "drafter_id" in group else None
         fits.append({"method": method, "task": task, "run": run, "sizes": int(group["trained_tokens"].nunique()),
+                     "weights": weights if isinstance(weights, str) else None,  # the largest size's drafter
                      "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
                      "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
                      "tokens_to_goal": needed})
@@ -88,14 +90,24 @@ def _tokens(n: float) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
 
-def _to_goal(fit: pd.DataFrame | None, method: str, task: str) -> str:
-    """The fitted line's training tokens at the goal, from the scaling runs, where there is one."""
+def _to_goal(fit: pd.DataFrame | None, method: str, task: str, cell: pd.Series | None = None) -> str:
+    """The fitted line's training tokens at the goal, from the scaling runs, where there is one.
+    Where the cell's drafter is not the line's (another run's weights), the line's slope from the
+    cell's own τ and training tokens, said so (drafters told apart by `drafter_id`)."""
     if fit is None or fit.empty:
         return "no scaling runs for it"
     rows = fit[(fit["method"] == method) & (fit["task"] == task)]
     if rows.empty:
         return "no scaling runs for it"
     row = rows.loc[rows["largest_tokens"].idxmax()]  # the run trained furthest
+    mine = cell.get("drafter_id") if cell is not None else None
+    if isinstance(mine, str) and isinstance(row.get("weights"), str) and mine != row["weights"]:
+        slope, tokens, goal = row["tau_per_10x"], cell.get("trained_tokens"), tau_goal(method, task)
+        if slope <= 0 or goal is None or not isinstance(tokens, float | int) or math.isnan(tokens):
+            return "no scaling runs of this drafter (an earlier drafter's line does not tell)"
+        needed = tokens * 10 ** ((goal - cell["tau"]) / slope)
+        return (f"~{_tokens(needed)} training tokens at the slope of an earlier drafter's scaling line "
+                f"({slope:+.2f} τ per tenfold data; no scaling runs of this drafter)")
     if math.isnan(row["tokens_to_goal"]):
         return f"the scaling line does not rise ({row['tau_per_10x']:+.2f} τ per tenfold data)"
     return (f"~{_tokens(row['tokens_to_goal'])} training tokens by the scaling line "
@@ -216,7 +228,7 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
                 add(f"{method} τ ≥ {goal:g}", task, "-", None)
                 continue
             met = cell["tau"] >= goal
-            short = f"short by {goal - cell['tau']:.2f}; {_to_goal(fit, method, task)}{_ceiling(cell, goal)}"
+            short = f"short by {goal - cell['tau']:.2f}; {_to_goal(fit, method, task, cell)}{_ceiling(cell, goal)}"
             add(f"{method} τ ≥ {goal:g}", task, f"τ {cell['tau']:.2f}", met, "" if met else short)
     for method, other, ratio, goal_tasks in TAU_AT_LEAST_OTHER:
         for task in tasks if "*" in goal_tasks else [t for t in goal_tasks if t in tasks]:

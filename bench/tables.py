@@ -395,6 +395,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
                                                                     if run.method != BASELINE else None),
                 "drafter_run": _drafter_run(run.series, drafter),
                 "drafter_weights": drafter.get("weights_sha1"),
+                "drafter_id": drafter.get("weights_sha1") or drafter.get("manifest_sha"),
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
                 "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns
@@ -411,6 +412,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
         row["trained_tokens"] = float("nan") if group["trained_tokens"] is None else group["trained_tokens"]
         row["drafter_run"] = group["drafter_run"]
         row["drafter_weights"] = group["drafter_weights"]  # the weights' digest, where the method records it
+        row["drafter_id"] = group["drafter_id"]  # which drafter ran: that digest, else its manifest's
         # The oracle's per-node acceptance where the run replaced the drafts (bench.core.oracle); NaN: real drafts.
         row["oracle_accept"] = float("nan") if group["oracle_accept"] is None else group["oracle_accept"]
         row["batch_size"] = group["batch_size"]  # requests decoding at once (bench run --batch-size)

@@ -689,6 +689,25 @@ def test_scaling_fit_extrapolates_to_the_goal():
     assert fit.loc["medusa", "tokens_to_goal"] == 1e6
 
 
+def test_a_goal_read_from_another_drafters_scaling_line_says_so():
+    """A shipped drafter retrained in another way (other weights than the scaling line's final
+    drafter): its missed goal is estimated from its own τ and tokens at the line's slope, and
+    the note says the line is an earlier drafter's."""
+    import pandas as pd
+
+    from bench.goals import _to_goal, scaling_fit
+
+    rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t, "drafter_id": w,
+                          "tau": 1 + 0.5 * math.log10(t / 1e5)} for t, w in ((2e5, "a"), (1e6, "b"), (1e7, "c"))])
+    fit = scaling_fit(rows)
+    same = pd.Series({"tau": 2.0, "trained_tokens": 1e7, "drafter_id": "c"})
+    assert _to_goal(fit, "eagle3", "mtbench", same).startswith("~1B training tokens by the scaling line")
+    other = pd.Series({"tau": 2.5, "trained_tokens": 1e7, "drafter_id": "d"})
+    note = _to_goal(fit, "eagle3", "mtbench", other)
+    assert note.startswith("~100M training tokens at the slope of an earlier drafter's scaling line (+0.50")
+    assert note.endswith("no scaling runs of this drafter)")
+
+
 def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monkeypatch):
     """bench.goals on a hand-made per-task table: each goal per task, met or missed with the
     shortfall; a missed τ goal quotes the scaling line's tokens; near ties do not count as
