@@ -60,9 +60,9 @@ def scaling_fit(rows: pd.DataFrame) -> pd.DataFrame:
             needed = float(largest["trained_tokens"])
         elif goal is not None and slope > 0:
             needed = 10 ** ((goal - intercept) / slope)
-        weights = largest.get("drafter_id") if "drafter_id" in group else None
+        drafter = largest.get("drafter_id") if "drafter_id" in group else None
         fits.append({"method": method, "task": task, "run": run, "sizes": int(group["trained_tokens"].nunique()),
-                     "weights": weights if isinstance(weights, str) else None,  # the largest size's drafter
+                     "drafter_id": drafter if isinstance(drafter, str) else None,  # the largest size's
                      "largest_tokens": float(largest["trained_tokens"]), "tau_at_largest": float(largest["tau"]),
                      "tau_per_10x": slope, "goal": float("nan") if goal is None else goal,
                      "tokens_to_goal": needed})
@@ -101,7 +101,7 @@ def _to_goal(fit: pd.DataFrame | None, method: str, task: str, cell: pd.Series |
         return "no scaling runs for it"
     row = rows.loc[rows["largest_tokens"].idxmax()]  # the run trained furthest
     mine = cell.get("drafter_id") if cell is not None else None
-    if isinstance(mine, str) and isinstance(row.get("weights"), str) and mine != row["weights"]:
+    if isinstance(mine, str) and isinstance(row.get("drafter_id"), str) and mine != row["drafter_id"]:
         slope, tokens, goal = row["tau_per_10x"], cell.get("trained_tokens"), tau_goal(method, task)
         if slope <= 0 or goal is None or not isinstance(tokens, float | int) or math.isnan(tokens):
             return "no scaling runs of this drafter (an earlier drafter's line does not tell)"
