@@ -99,8 +99,10 @@ def _to_goal(fit: pd.DataFrame | None, method: str, task: str, cell: pd.Series |
     rows = fit[(fit["method"] == method) & (fit["task"] == task)]
     if rows.empty:
         return "no scaling runs for it"
-    row = rows.loc[rows["largest_tokens"].idxmax()]  # the run trained furthest
     mine = cell.get("drafter_id") if cell is not None else None
+    own = rows[rows["drafter_id"] == mine] if isinstance(mine, str) and "drafter_id" in rows else rows.iloc[0:0]
+    rows = own if not own.empty else rows  # the cell's own drafter's line, else the run trained furthest
+    row = rows.loc[rows["largest_tokens"].idxmax()]
     if isinstance(mine, str) and isinstance(row.get("drafter_id"), str) and mine != row["drafter_id"]:
         slope, tokens, goal = row["tau_per_10x"], cell.get("trained_tokens"), tau_goal(method, task)
         if slope <= 0 or goal is None or not isinstance(tokens, float | int) or math.isnan(tokens):

@@ -359,6 +359,17 @@ def _drafter_run(series: str, drafter: dict) -> str | None:
     return re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None
 
 
+def _drafter_id(drafter: dict) -> str | None:
+    """Which drafter ran: its weights' digest where the method records one, else its export
+    (time and trained tokens: `bench ship` adds keys to the manifest it copies, so a shipped
+    drafter's manifest digest is not its training folder's), else its manifest's digest."""
+    if drafter.get("weights_sha1"):
+        return drafter["weights_sha1"]
+    if drafter.get("exported_at"):
+        return f"{drafter['exported_at']}/{drafter.get('trained_tokens')}"
+    return drafter.get("manifest_sha")
+
+
 def _base_for(records: Records, run: RunFile) -> RunFile | None:
     """The baseline run of the same tag: a method not yet rerun into a newer revision keeps
     the baseline it was interleaved with, though that baseline's newer revision is shown."""
@@ -395,7 +406,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
                                                                     if run.method != BASELINE else None),
                 "drafter_run": _drafter_run(run.series, drafter),
                 "drafter_weights": drafter.get("weights_sha1"),
-                "drafter_id": drafter.get("weights_sha1") or drafter.get("manifest_sha"),
+                "drafter_id": _drafter_id(drafter),
                 "oracle_accept": (run.settings.get("method_options") or {}).get("oracle_accept"),
                 "batch_size": run.settings.get("batch_size", 1)})
             group["method"] += turns

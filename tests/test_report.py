@@ -706,6 +706,23 @@ def test_a_goal_read_from_another_drafters_scaling_line_says_so():
     note = _to_goal(fit, "eagle3", "mtbench", other)
     assert note.startswith("~100M training tokens at the slope of an earlier drafter's scaling line (+0.50")
     assert note.endswith("no scaling runs of this drafter)")
+    # A second run as far trained, listed first: the cell's own drafter's line is the one quoted.
+    rival = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t, "drafter_id": w,
+                           "tau": 1 + 0.25 * math.log10(t / 1e5)} for t, w in ((2e5, "x"), (1e7, "y"))])
+    both = scaling_fit(pd.concat([rival.assign(drafter_run="r1"), rows.assign(drafter_run="r2")], ignore_index=True))
+    assert _to_goal(both, "eagle3", "mtbench", same).startswith("~1B training tokens by the scaling line (+0.50")
+
+
+def test_a_shipped_copy_is_the_drafter_its_training_folder_ran():
+    """`bench ship` adds keys to the manifest it copies, so a shipped drafter's manifest digest
+    differs from its training folder's: the tables tell drafters apart by their export instead."""
+    from bench.tables import _drafter_id
+
+    trained = {"manifest_sha": "aaa", "exported_at": "2026-12-05T17:59:11Z", "trained_tokens": 6344208}
+    assert _drafter_id({**trained, "manifest_sha": "bbb"}) == _drafter_id(trained)
+    assert _drafter_id({**trained, "trained_tokens": 1000176}) != _drafter_id(trained)
+    assert _drafter_id({**trained, "weights_sha1": "ccc"}) == "ccc"
+    assert _drafter_id({"manifest_sha": "aaa"}) == "aaa"  # a published drafter: no export stamp
 
 
 def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monkeypatch):
