@@ -206,9 +206,10 @@ SCALE_COMPILE ?= --compile
 EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
 # The eagle3 entry (session 40 on): the fc_norm head on more of the pool, conversations cut at 1024 tokens
 # instead of 512 (6.5M feature tokens of the distilled 7.02M, against 4.37M), 3 epochs (its scaling line
-# put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M.
+# put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
+# grouped by length (random batches of 4 at 1024 tokens are ~28% padding).
 SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option feature_tokens=6500000 \
-  --epochs 3 --keep-at 2e5,1e6,6.34e6
+  --option group_by_length=true --epochs 3 --keep-at 2e5,1e6,6.34e6
 SCALE_ARGS_eagle3-paperfc := $(EAGLE3_ARGS)
 # DFlash and DSpark: the references' 512 anchors per conversation (SpecForge's and DeepSpec's
 # max_anchors: every reply position of our conversations), the loss in chunks and the draft layers

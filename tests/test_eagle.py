@@ -462,3 +462,34 @@ def test_compiled_training_step_trains_the_same_head(default_target, one_thread,
     result = CliRunner().invoke(main, ["train", "--method", "medusa", "--compile", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "no compiled path (methods with one: eagle3, dflash, dspark)" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_length_grouped_batches_cover_every_conversation_once_with_little_padding():
+    """group_by_length: each epoch still serves every training conversation once (whole
+    batches), in a seeded order that differs by epoch; a batch's conversations are of about one
+    length, so far less padding than random batches; off, the order is the plain shuffle."""
+    import torch
+
+    from methods.eagle.training import FeatureBatches
+
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(4, 1024, (2000,), generator=generator)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    tensors = {"offsets": offsets}
+    plain = FeatureBatches(tensors, [2], 30, 4, seed=0)
+    grouped = FeatureBatches(tensors, [2], 30, 4, seed=0, group_by_length=True)
+    span_length = [b - a for a, b in grouped.train_spans]
+    usable = len(grouped.train_spans) // 4 * 4
+
+    def padding(batches: FeatureBatches, epoch: int) -> float:
+        order = batches.order(epoch)[:usable]
+        cut = [order[i: i + 4] for i in range(0, usable, 4)]
+        return 1 - sum(span_length[j] for j in order) / sum(4 * max(span_length[j] for j in b) for b in cut)
+
+    for epoch in (0, 1):
+        assert sorted(grouped.order(epoch)) == list(range(len(grouped.train_spans)))
+        assert grouped.order(epoch) == FeatureBatches(tensors, [2], 30, 4, seed=0, group_by_length=True).order(epoch)
+        assert padding(grouped, epoch) < 0.02 < 0.2 < padding(plain, epoch)
+    assert grouped.order(0) != grouped.order(1)
+    generator = torch.Generator().manual_seed(0)
+    assert plain.order(0) == torch.randperm(len(plain.train_spans), generator=generator).tolist()

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # identity while at the default (its checkpoint's, so older checkpoints resume, and the run id
 # of its scaling runs, so the copies kept before and the drafter exported after agree).
 LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False,
-                                     "fc_norm": False}
+                                     "fc_norm": False, "group_by_length": False}
 
 
 def without_later_defaults(settings: dict) -> dict:
