@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports pack-records refresh machine-series frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results grid-reports pack-records refresh series-refresh machine-series frspec block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -105,6 +105,21 @@ refresh: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(MAKE) grid-reports
 	$(MAKE) pack-records
+
+# The same after a drafter shipped, on a machine series (`make series-refresh SERIES=amx METHODS=dspark`):
+# METHODS' cells of grid-SERIES in two passes (a new revision where the drafter changed), their tuned
+# budgets on this machine (a new drafter is tuned anew) and grid-SERIES-auto at them, then the reports.
+series-refresh: $(STAMP)
+	$(if $(SERIES),,$(error give SERIES, e.g. make series-refresh SERIES=amx METHODS=dspark))
+	$(if $(METHODS),,$(error give METHODS, e.g. make series-refresh SERIES=amx METHODS=dspark))
+	$(BIN)/python -m bench.grid --tag grid-$(SERIES) --repeats 2 $(foreach m,$(METHODS),--method $(m))
+	$(if $(filter $(SERIES_TUNE),$(METHODS)),$(BIN)/bench tune $(foreach m,$(filter $(SERIES_TUNE),$(METHODS)),--method $(m)))
+	$(if $(filter $(SERIES_TUNE),$(METHODS)),$(BIN)/python -m bench.grid --tag grid-$(SERIES)-auto --budget auto \
+	  $(foreach m,$(filter $(SERIES_TUNE),$(METHODS)),--method $(m)))
+	$(BIN)/bench report --tag grid-$(SERIES) --out plots/$(SERIES) --tuned-tag grid-$(SERIES)-auto
+	$(BIN)/python -m bench.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
+	$(MAKE) pack-records
+	$(MAKE) grid-reports
 
 # FR-Spec for EAGLE-1/2 (methods/eagle/fr_spec.py): the grid's suites at their defaults and at budget 1,
 # beside the same methods without it (results/README.md's `frspec` block).
