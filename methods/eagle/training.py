@@ -109,10 +109,10 @@ class FeatureBatches:
             if self.group_by_length:
                 size, chunk = self.batch_size, self.batch_size * GROUP_BATCHES
                 length = [b - a for a, b in self.train_spans]
-                batches = [sorted_chunk[i: i + size]
-                           for start in range(0, len(order), chunk)
-                           for sorted_chunk in [sorted(order[start: start + chunk], key=lambda j: -length[j])]
-                           for i in range(0, len(sorted_chunk), size)]
+                batches = []
+                for start in range(0, len(order), chunk):
+                    ranked = sorted(order[start: start + chunk], key=lambda j: -length[j])
+                    batches += [ranked[i: i + size] for i in range(0, len(ranked), size)]
                 full = [b for b in batches if len(b) == size]  # a short batch would shift the ones after it
                 shuffled = torch.randperm(len(full), generator=generator).tolist()
                 order = [j for k in shuffled for j in full[k]] + [j for b in batches if len(b) < size for j in b]
