@@ -294,6 +294,7 @@ def test_cli_train_stopped_by_stop_after_exits_3_and_the_same_command_finishes(t
     assert "unfinished" in result.output and "Traceback" not in result.output
     assert json.loads((out / "drafter.json").read_text())["training"]["steps"] == 1
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 1
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["max_steps"] == 3  # for --status
     result = CliRunner().invoke(main, command)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "drafter.json").read_text())["training"]["steps"] == 3
@@ -702,7 +703,32 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     assert "step 12/?" in describe(damaged)
     (run / "drafter.json").write_text("[1, 2]")
     (run / "checkpoint" / "state.json").write_text('{"settings": "eagle3", "step": "ten"}')
+    assert describe(read_status(run, now=now)).startswith("eagle3 in")  # the method read from the command
+    (run / ".train.command").unlink()
     assert "? in" in describe(read_status(run, now=now))
+
+
+def test_training_status_of_a_run_before_its_first_checkpoint(tmp_path):
+    """A run still extracting its features or compiling (or stopped there) has only its command
+    in its folder: --status lists it, its method read from that command; a checkpoint's step
+    count is shown before any export holds one, and a newer checkpoint's count wins."""
+    from bench.core.training.status import describe, read_status, training_folders
+
+    early = tmp_path / "scale" / "eagle3"
+    early.mkdir(parents=True)
+    (early / ".train.command").write_text("bench train --method eagle3 --epochs 3\n")
+    assert training_folders([tmp_path]) == [early] == training_folders([early])
+    status = read_status(early)
+    assert (status.method, status.checkpointed, status.step) == ("eagle3", False, 0)
+    text = describe(status)
+    assert "stopped before its first checkpoint; starts at step 0" in text and "step 0" not in text.splitlines()[1]
+
+    run = _training_folder(tmp_path / "scale" / "dspark", "2026-01-01T11:50:00Z")
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    (run / "checkpoint" / "state.json").write_text(json.dumps({**state, "max_steps": 300}))
+    assert read_status(run).max_steps == 300 and read_status(run).checkpointed  # the manifest's said 100
+    (run / "drafter.json").unlink()
+    assert "step 12/300 (4%)" in describe(read_status(run))
 
 
 def test_cli_train_status(tmp_path):

@@ -109,8 +109,10 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensors:
 
 
 def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.Optimizer,
-                    step: int, cursor: int, elapsed: float, settings: dict, tokens_seen: int = 0) -> None:
-    """Write out_dir/checkpoint atomically: a temp folder renamed over the old one."""
+                    step: int, cursor: int, elapsed: float, settings: dict, tokens_seen: int = 0,
+                    max_steps: int | None = None) -> None:
+    """Write out_dir/checkpoint atomically: a temp folder renamed over the old one. max_steps:
+    the run's step count as it stands (not part of its identity: `bench train --status` reads it)."""
     named = objective.named_parameters()
     names = [n for n, _ in named]
     final = out_dir / CHECKPOINT
@@ -126,7 +128,8 @@ def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.
         rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
-        "step": step, "cursor": cursor, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "optimizer": extra,
+        "step": step, "cursor": cursor, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "max_steps": max_steps,
+        "optimizer": extra,
         "settings": settings,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
     # Swap in two renames; a crash in between leaves .old, which load_checkpoint falls back to.
@@ -324,7 +327,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                 last_export = time.monotonic()  # its last steps and exports again (after it, nothing would)
             if due_time or due_step or reached or final:
                 save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
-                                tokens_seen)
+                                tokens_seen, cfg.max_steps)
                 export_every = cfg.export_every_s if cfg.export_every_s is not None else 6 * cfg.checkpoint_every_s
                 export_due = time.monotonic() - last_export >= export_every and not reached
                 if on_checkpoint is not None and not final and (export_due or due_step):

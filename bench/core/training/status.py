@@ -31,7 +31,7 @@ class RunStatus:
     method: str
     step: int  # the last logged step (a stopped run resumes from checkpoint_step)
     checkpoint_step: int
-    max_steps: int | None  # None before the run's first export (the manifest holds the count)
+    max_steps: int | None  # None where neither the checkpoint nor an export holds the count
     tokens_seen: int
     epochs: float | None
     checkpoint_age_s: float | None
@@ -43,6 +43,7 @@ class RunStatus:
     predicted_tau: float | None = None
     rounds_tau: dict[str, float] = field(default_factory=dict)  # decode rounds replayed: "whole", "first_128"
     kept: list[int] = field(default_factory=list)  # trained-token counts of the copies in kept/
+    checkpointed: bool = True  # False: started (its command is here), no checkpoint yet
 
     @property
     def finished(self) -> bool:
@@ -56,14 +57,16 @@ class RunStatus:
 
 
 def training_folders(roots: list[Path]) -> list[Path]:
-    """Every training folder (one with a checkpoint) at or below `roots`, sorted."""
+    """Every training folder (one with a checkpoint, or a run's command: a run still extracting
+    its features or compiling, or stopped before its first checkpoint) at or below `roots`, sorted."""
     found = set()
     for root in roots:
         root = Path(root)
-        if (root / CHECKPOINT / STATE).is_file():
+        if (root / CHECKPOINT / STATE).is_file() or (root / COMMAND).is_file():
             found.add(root)
         elif root.is_dir():
             found.update(p.parent.parent for p in root.glob(f"**/{CHECKPOINT}/{STATE}"))
+            found.update(p.parent for p in root.glob(f"**/{COMMAND}"))
     return sorted(found)
 
 
@@ -74,7 +77,8 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
     state = _json(folder / CHECKPOINT / STATE)
     manifest = _json(folder / "drafter.json")
     training = manifest.get("training") if isinstance(manifest.get("training"), dict) else {}
-    max_steps = training.get("max_steps") if _count(training.get("max_steps")) else None
+    # The checkpoint's count first: it is newer than an export's (a resumed run may change it).
+    max_steps = next((n for n in (state.get("max_steps"), training.get("max_steps")) if _count(n)), None)
     checkpoint_step = _count(state.get("step"))
     rows = _log_tail(folder / LOG)
     step = max(checkpoint_step, rows[-1]["step"] if rows else 0)
@@ -84,16 +88,18 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
         epochs = epochs * step / training["steps"]
     heldout = heldout_of(manifest)
     settings = state.get("settings") if isinstance(state.get("settings"), dict) else {}
+    command = _text(folder / COMMAND)
     return RunStatus(
-        folder=folder, method=str(settings.get("method") or manifest.get("method") or "?"),
+        folder=folder, method=str(settings.get("method") or manifest.get("method") or _method_of(command) or "?"),
         step=step, checkpoint_step=checkpoint_step, max_steps=max_steps, tokens_seen=tokens_seen, epochs=epochs,
         checkpoint_age_s=_age(state.get("saved_at"), now), seconds_per_step=_seconds_per_step(rows),
-        pid=_live_writer(folder / LOCK), command=_text(folder / COMMAND),
+        pid=_live_writer(folder / LOCK), command=command,
         heldout_step=training.get("steps") if heldout else None,
         heldout_top1=list(heldout.get("top1_by_position", [])), predicted_tau=heldout.get("predicted_tau"),
         rounds_tau=replayed_tau(heldout),
         kept=sorted(int(p.name.split("-")[0]) for p in (folder / "kept").glob("*-tokens")
-                    if p.name.split("-")[0].isdigit() and (p / "drafter.json").is_file()))
+                    if p.name.split("-")[0].isdigit() and (p / "drafter.json").is_file()),
+        checkpointed=bool(state) or (folder / CHECKPOINT / STATE).exists())
 
 
 def replayed_tau(heldout: dict) -> dict[str, float]:
@@ -108,15 +114,20 @@ def replayed_tau(heldout: dict) -> dict[str, float]:
 def describe(run: RunStatus) -> str:
     """A run in a few lines: where, how far, how fast, what it predicts."""
     if run.pid is not None:
-        state = f"running (pid {run.pid})"
+        state = f"running (pid {run.pid})" + ("" if run.checkpointed else
+                                               ", no checkpoint yet (extracting features, compiling or early steps)")
     elif run.finished:
         state = "finished"
+    elif not run.checkpointed:
+        state = ("stopped before its first checkpoint; starts at step 0 when its command runs again "
+                 "(a feature extraction goes on where it stopped)")
     else:
         state = f"stopped; resumes from step {run.checkpoint_step} when its command runs again"
     total = f"/{run.max_steps} ({100 * run.step / run.max_steps:.0f}%)" if run.max_steps else "/?"
-    lines = [f"{run.method} in {run.folder}: {state}",
-             f"  step {run.step}{total}, {run.tokens_seen / 1e6:.2f}M tokens seen"
-             + (f", {run.epochs:.2f} epochs" if run.epochs is not None else "")]
+    lines = [f"{run.method} in {run.folder}: {state}"]
+    if run.checkpointed or run.step:
+        lines.append(f"  step {run.step}{total}, {run.tokens_seen / 1e6:.2f}M tokens seen"
+                     + (f", {run.epochs:.2f} epochs" if run.epochs is not None else ""))
     pace = []
     if run.seconds_per_step:
         pace.append(f"{run.seconds_per_step:.1f} s/step lately")
@@ -154,6 +165,17 @@ def resume_command(command: str, folder: Path) -> str:
         if word == "--out" and Path(words[i + 1]).expanduser().resolve() != Path(folder).resolve():
             return shlex.join(words[:i + 1] + [str(folder)] + words[i + 2:]) + f"  (moved here from {words[i + 1]})"
     return command
+
+
+def _method_of(command: str | None) -> str | None:
+    """`--method X` of a run's command line (a run before its first checkpoint has no other record)."""
+    import shlex
+
+    try:
+        words = shlex.split(command or "")
+    except ValueError:
+        return None
+    return next((words[i + 1] for i, word in enumerate(words[:-1]) if word == "--method"), None)
 
 
 def _json(path: Path) -> dict:
