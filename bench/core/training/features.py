@@ -50,6 +50,7 @@ from tqdm import tqdm
 from bench.core.errors import BenchError
 from bench.core.files import write_json
 from bench.core.target import cache_dir
+from bench.core.training.memory import purge_all_arenas
 
 FORMAT = "spec-bench-features/1"
 SHARD_SEQUENCES = 64
@@ -416,6 +417,9 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 synced = time.monotonic()
             done_tokens += tokens
             bar.update(tokens)
+            # Shards differ in width, and `bench train` runs jemalloc with purging off (memory.py):
+            # unpurged, an extraction at max_len 1024 held 15 GB and was killed beside a trainer.
+            purge_all_arenas()
         commit()
         bar.close()
         if data.max_tokens >= largest or index.get("exhausted"):  # a smaller run leaves a growth unfinished
