@@ -142,7 +142,8 @@ def test_other_target_weights_are_refused(default_target, cache):
 
 def test_self_distilled_features_read_the_distilled_replies(default_target, cache, one_thread, tmp_path):
     """Features of `bench distill` data: reply tokens (every turn) are the targets, the
-    prompts are not; an exhausted cache grows when more distilled shards arrive."""
+    prompts are not; an exhausted cache grows when more distilled shards arrive, and a run
+    begun before keeps the pool it began on (its run folder's pool.json) until it ends."""
     from bench.core.training.distill import DistillSettings, distill
 
     conversations = [["Say hi.", "Now say bye."], ["What is 2+2?"], ["Name a color."]]
@@ -159,8 +160,12 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
                         progress=False)
     distilled = distill(default_target, settings, {}, shards=range(1), progress=False)
     data = FeatureData(max_tokens=10_000, max_len=256, self_distill=True)  # finds the target's distilled data
-    store = ensure_features(default_target, (30,), data, progress=False)
+    run = tmp_path / "run"
+    store = ensure_features(default_target, (30,), data, progress=False, run_dir=run)
     assert store.index["exhausted"] and store.index["data"]["distilled"] == str(distilled.folder)
+    assert json.loads((run / "pool.json").read_text())["tokens"] == store.num_tokens
+    (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "state.json").write_text("{}")  # the run has begun: a resume reads its pool
     rows = list(distilled.rows())
     loaded = store.load((30,))
     assert int(loaded["offsets"][-1]) == sum(len(r["tokens"]) for r in rows)
@@ -175,6 +180,18 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
     grown = ensure_features(default_target, (30,), data, progress=False)
     assert grown.index["distilled_read"] == {"0": 2, "1": 1}
     assert grown.num_tokens == sum(len(r["tokens"]) for r in distill(default_target, settings, {}).rows())
+    resumed = ensure_features(default_target, (30,), data, progress=False, run_dir=run)
+    assert resumed.num_tokens == store.num_tokens < grown.num_tokens
+    assert resumed.load((30,))["h30"].shape == loaded["h30"].shape
+    fresh = ensure_features(default_target, (30,), data, progress=False, run_dir=tmp_path / "fresh")
+    assert fresh.num_tokens == grown.num_tokens  # a run begun now takes the grown pool
+    pool = json.loads((run / "pool.json").read_text())
+    (run / "pool.json").write_text(json.dumps(pool | {"tokens": grown.num_tokens + 1}))
+    with pytest.raises(BenchError, match="began on .* tokens of feature cache"):
+        ensure_features(default_target, (30,), data, progress=False, run_dir=run)
+    (run / "pool.json").write_text(json.dumps(pool | {"cache": "sharegpt-len512-00000000"}))
+    with pytest.raises(BenchError, match="began on feature cache sharegpt-len512-00000000"):
+        ensure_features(default_target, (30,), data, progress=False, run_dir=run)
 
 
 def test_distilled_shards_finishing_out_of_order_are_each_read_once(default_target, cache, one_thread, tmp_path):

@@ -368,7 +368,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
                        self_distill=train_settings.self_distill,
                        data_path=str(settings.data_path) if settings.data_path else None)
     needed = tuple(sorted(set(taps) | {num_layers}))
-    store = ensure_features(target, needed, data, progress=settings.progress)
+    store = ensure_features(target, needed, data, progress=settings.progress, run_dir=Path(settings.out_dir))
     tensors = store.load(needed)
     vocab = target.config.vocab_size
     draft_vocab = train_settings.draft_vocab if 0 < train_settings.draft_vocab < vocab else None

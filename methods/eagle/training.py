@@ -441,7 +441,8 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
     data = FeatureData(max_tokens=train_settings.feature_tokens, max_len=train_settings.max_len, seed=settings.seed,
                        self_distill=train_settings.self_distill,
                        data_path=str(settings.data_path) if settings.data_path else None)
-    store = ensure_features(target, tuple(sorted(set(taps) | {num_layers})), data, progress=settings.progress)
+    store = ensure_features(target, tuple(sorted(set(taps) | {num_layers})), data, progress=settings.progress,
+                            run_dir=Path(settings.out_dir))
     tensors = store.load(tuple(sorted(set(taps) | {num_layers})))
     vocab = target.config.vocab_size
     draft_vocab = train_settings.draft_vocab if kind == "eagle3" and train_settings.draft_vocab else None

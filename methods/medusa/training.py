@@ -250,7 +250,7 @@ def train_medusa(target, settings) -> dict:
     if settings.data_path:
         changes["data_path"] = str(settings.data_path)
     data = FeatureData(**(asdict(data) | changes))
-    store = ensure_features(target, (tap,), data, progress=settings.progress)
+    store = ensure_features(target, (tap,), data, progress=settings.progress, run_dir=Path(settings.out_dir))
     features = Features(store.load((tap,)), tap, opts.heldout, settings.data_limit)
     torch.manual_seed(settings.seed)  # the heads' bias init
     heads = MedusaHeads(target.config.hidden_size, opts.num_heads, opts.num_layers)

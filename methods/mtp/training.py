@@ -317,7 +317,7 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     trunk = opts.trunk_tap(num_layers) if opts.variant == "parallel" else num_layers
     taps = tuple(sorted({num_layers, trunk}))
     data = opts.feature_data(settings.data_path)
-    store = ensure_features(target, taps, data, progress=settings.progress)
+    store = ensure_features(target, taps, data, progress=settings.progress, run_dir=out_dir)
     features = store.load(taps)
     offsets = features["offsets"].tolist()
     held = min(opts.holdout, max(0, len(offsets) - 2))  # keep at least one training conversation

@@ -247,7 +247,8 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
                                self_distill=draft_settings.self_distill, distilled=draft_settings.distilled,
                                data_path=str(settings.data_path) if settings.data_path else None)
         tap = target.config.num_hidden_layers
-        store = ensure_features(target, (tap,), features, progress=settings.progress)
+        store = ensure_features(target, (tap,), features, progress=settings.progress,
+                                run_dir=Path(settings.out_dir))
         draft_settings = replace(draft_settings, distilled=store.index["data"].get("distilled"))
         data = CachedExamples(store, tap)
     elif draft_settings.self_distill:

@@ -319,9 +319,10 @@ def _to_flat(folder: Path, index: dict, progress: bool) -> None:
 
 
 def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = None,
-                    progress: bool = True) -> FeatureStore:
+                    progress: bool = True, run_dir: Path | None = None) -> FeatureStore:
     """The feature cache for (target, data) holding at least `taps`: extracted (or
-    completed after an interruption, or extended by new taps) as needed."""
+    completed after an interruption, or extended by new taps) as needed. run_dir: a training
+    run's folder, where the pool it starts on is pinned (`pinned_pool`)."""
     data = with_distilled_folder(target, data or FeatureData())
     folder = features_dir(target, data)
     folder.mkdir(parents=True, exist_ok=True)
@@ -425,7 +426,46 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         if data.max_tokens >= largest or index.get("exhausted"):  # a smaller run leaves a growth unfinished
             index["done"] = True
         write_json(index_path, index)
-    return FeatureStore(folder, data.max_tokens)
+    store = FeatureStore(folder, data.max_tokens)
+    return store if run_dir is None else pinned_pool(store, Path(run_dir))
+
+
+POOL = "pool.json"
+
+
+def pinned_pool(store: FeatureStore, run_dir: Path) -> FeatureStore:
+    """The pool a training run began on, for as long as it runs: a cache that ran out of
+    distilled replies grows when more are distilled, and a run resuming on the grown cache
+    would train on other conversations (another held-out split, another step count). The
+    pool is written to run_dir/pool.json at a fresh start (no checkpoint) and read back on
+    every resume; a run from before the pin is pinned to the pool it resumes on."""
+    from bench.core.training.loop import find_checkpoint
+
+    path = run_dir / POOL
+    if find_checkpoint(run_dir) is None or not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"cache": store.folder.name, "shards": len(store.shards), "tokens": store.num_tokens})
+        return store
+    try:
+        pinned = json.loads(path.read_text())
+        pinned_cache, pinned_tokens, pinned_shards = pinned["cache"], int(pinned["tokens"]), int(pinned["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"unreadable {path}: {exc}") from None
+    if pinned_cache != store.folder.name:
+        raise BenchError(f"the run in {run_dir} began on feature cache {pinned_cache}, not {store.folder.name}: "
+                         "resume it with its own data settings, or train into another --out")
+    if pinned_shards > len(store.shards) or pinned_tokens > store.num_tokens:
+        raise BenchError(f"the run in {run_dir} began on {pinned_tokens} tokens of feature cache "
+                         f"{store.folder.name}, which holds {store.num_tokens} now: train with the "
+                         "feature_tokens it began with, or into another --out")
+    held = FeatureStore(store.folder, pinned_tokens)
+    if len(held.shards) != pinned_shards or held.num_tokens != pinned_tokens:
+        raise BenchError(f"feature cache {store.folder.name} no longer starts with the {pinned_shards} shards "
+                         f"the run in {run_dir} began on: train into another --out")
+    if held.num_tokens < store.num_tokens:
+        print(f"the run resumes on the {pinned_tokens} tokens it began on (the cache holds {store.num_tokens})",
+              flush=True)
+    return held
 
 
 def data_facts(store: FeatureStore, self_distill: bool, samples_seen: int, samples: int) -> dict:
