@@ -669,6 +669,9 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     text = describe(status)
     assert "stopped; resumes from step 10" in text and "step 12/100 (12%)" in text and "10 min old" in text
     assert "0.50 / 0.40; predicted tau 1.90" in text and "0.2M tokens" in text and "replayed" not in text
+    assert "pool:" not in text  # a run from before the pool was pinned
+    (run / "pool.json").write_text(json.dumps({"cache": "selfdistill-len512-x", "shards": 3, "tokens": 4373615}))
+    assert "pool: 4.37M tokens of feature cache selfdistill-len512-x" in describe(read_status(run, now=now))
     from bench.core.training.status import replayed_tau
 
     replayed = {"rounds_tau": 1.7, "first_128": {"rounds_tau": 1.5}, "first_x": 3}

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.core.drafters import heldout_of
+from bench.core.training.features import POOL
 from bench.core.training.loop import CHECKPOINT, LOCK, LOG
 
 STATE = "state.json"
@@ -44,6 +45,7 @@ class RunStatus:
     rounds_tau: dict[str, float] = field(default_factory=dict)  # decode rounds replayed: "whole", "first_128"
     kept: list[int] = field(default_factory=list)  # trained-token counts of the copies in kept/
     checkpointed: bool = True  # False: started (its command is here), no checkpoint yet
+    pool: dict = field(default_factory=dict)  # the feature pool the run began on (features.pinned_pool)
 
     @property
     def finished(self) -> bool:
@@ -99,7 +101,8 @@ def read_status(folder: Path, now: float | None = None) -> RunStatus:
         rounds_tau=replayed_tau(heldout),
         kept=sorted(int(p.name.split("-")[0]) for p in (folder / "kept").glob("*-tokens")
                     if p.name.split("-")[0].isdigit() and (p / "drafter.json").is_file()),
-        checkpointed=bool(state) or (folder / CHECKPOINT / STATE).exists())
+        checkpointed=bool(state) or (folder / CHECKPOINT / STATE).exists(),
+        pool=_json(folder / POOL))
 
 
 def replayed_tau(heldout: dict) -> dict[str, float]:
@@ -128,6 +131,9 @@ def describe(run: RunStatus) -> str:
     if run.checkpointed or run.step:
         lines.append(f"  step {run.step}{total}, {run.tokens_seen / 1e6:.2f}M tokens seen"
                      + (f", {run.epochs:.2f} epochs" if run.epochs is not None else ""))
+    if isinstance(run.pool.get("tokens"), int) and run.pool.get("cache"):
+        lines.append(f"  pool: {run.pool['tokens'] / 1e6:.2f}M tokens of feature cache {run.pool['cache']} "
+                     "(what it began on, and keeps)")
     pace = []
     if run.seconds_per_step:
         pace.append(f"{run.seconds_per_step:.1f} s/step lately")
