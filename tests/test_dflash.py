@@ -420,7 +420,7 @@ def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
     assert set(range(20, 23)) <= set(blocks["anchors"][1].tolist())
 
 
-def test_block_rounds_replay_the_loops_drafts(default_target, one_thread):
+def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkeypatch):
     """methods/dflash/rounds (bench train's held-out τ, scripts/block_rounds): every round's
     drafts come back from one target pass over the finished turn (each block sees the features
     strictly before its root), so the replayed rounds are the loop's."""
@@ -450,6 +450,10 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread):
     taps = [hidden[t] for t in model.config.taps]
     replayed = chain_drafts(model, target.engine.embed, lm_head, tokens, taps, roots, counts)
     assert replayed == [draft for _, draft in seen]
+    from methods.dflash import rounds as rounds_module
+
+    monkeypatch.setattr(rounds_module, "GREEDY_CHUNK_BLOCKS", 2)  # the blocks' drafts scored a few at a time
+    assert chain_drafts(model, target.engine.embed, lm_head, tokens, taps, roots, counts) == replayed
     # a block that also saw its root's own feature would draft otherwise: the replay tells them apart
     shifted = [torch.cat([t[1:], t[-1:]]) for t in taps]
     assert chain_drafts(model, target.engine.embed, lm_head, tokens, shifted, roots, counts) != replayed
