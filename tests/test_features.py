@@ -177,6 +177,9 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
     index = json.loads((store.folder / "index.json").read_text())
     del index["distilled_read"]  # a cache from before positions were kept: resumes by conversation count
     (store.folder / "index.json").write_text(json.dumps(index))
+    resumed = ensure_features(default_target, (30,), data, progress=False, run_dir=run)
+    assert resumed.num_tokens == store.num_tokens  # the run reads its pool, and grows no shard it would not read
+    assert json.loads((store.folder / "index.json").read_text()) == index
     grown = ensure_features(default_target, (30,), data, progress=False)
     assert grown.index["distilled_read"] == {"0": 2, "1": 1}
     assert grown.num_tokens == sum(len(r["tokens"]) for r in distill(default_target, settings, {}).rows())

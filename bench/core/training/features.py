@@ -58,6 +58,7 @@ SHARD_SEQUENCES = 64
 # often, not after each (a CPU shard takes longer than this anyway). A shard not yet in the index
 # is redone on resume. Where the disk's bandwidth is the limit only BENCH_FEATURES_SYNC=0 helps.
 SYNC_EVERY_S = 30.0
+POOL = "pool.json"  # in a training run's folder: the feature pool it began on (pinned_pool)
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,8 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         _sync([tap_file(folder, tap) for tap in new_taps])
         index["taps"] = sorted(set(index["taps"]) | set(new_taps))
         write_json(index_path, index)
+    if run_dir is not None and len(index["shards"]) >= _pinned_shards(Path(run_dir), folder.name):
+        return pinned_pool(FeatureStore(folder, data.max_tokens), Path(run_dir))  # no growth it would not read
     largest = max(index["data"]["max_tokens"], data.max_tokens)  # "done" means extracted to this
     if index["done"] and not index.get("exhausted") and data.max_tokens > index["data"]["max_tokens"]:
         index["done"] = False  # a larger run than any before: grow the cache
@@ -430,7 +433,17 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
     return store if run_dir is None else pinned_pool(store, Path(run_dir))
 
 
-POOL = "pool.json"
+
+def _pinned_shards(run_dir: Path, cache: str) -> float:
+    """The shard count a resumed run began on in `cache` (inf where it is not such a run)."""
+    from bench.core.training.loop import find_checkpoint
+
+    try:
+        pinned = json.loads((run_dir / POOL).read_text())
+        shards = int(pinned["shards"]) if pinned["cache"] == cache else None
+    except (OSError, ValueError, KeyError, TypeError):
+        shards = None
+    return float("inf") if shards is None or find_checkpoint(run_dir) is None else shards
 
 
 def pinned_pool(store: FeatureStore, run_dir: Path) -> FeatureStore:
