@@ -452,7 +452,7 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkey
     assert replayed == [draft for _, draft in seen]
     from methods.dflash import rounds as rounds_module
 
-    monkeypatch.setattr(rounds_module, "GREEDY_CHUNK_BLOCKS", 2)  # the blocks' drafts scored a few at a time
+    monkeypatch.setattr(rounds_module, "ARGMAX_CHUNK_ROWS", 7)  # the drafts scored a few rows at a time
     assert chain_drafts(model, target.engine.embed, lm_head, tokens, taps, roots, counts) == replayed
     # a block that also saw its root's own feature would draft otherwise: the replay tells them apart
     shifted = [torch.cat([t[1:], t[-1:]]) for t in taps]

@@ -50,23 +50,29 @@ def chain_drafts(model, embed: Tensor, lm_head: Tensor, tokens: Tensor, taps: li
     return out
 
 
-# Blocks whose drafts are scored at once: the logits are [blocks, drafts, vocabulary] in fp32
-# (a held-out conversation's ~500 roots x 15 drafts x 49,152 was ~1.5 GB, a few times over).
-GREEDY_CHUNK_BLOCKS = 32
+# Rows of fp32 logits over the draft vocabulary at a time: all of a held-out conversation's ~500
+# roots x 15 drafts x 49,152 at once was ~1.5 GB, a few times over, beside a trainer.
+ARGMAX_CHUNK_ROWS = 512
+
+
+def draft_argmax(model, hidden: Tensor, previous: Tensor, lm_head: Tensor) -> Tensor:
+    """Each slot's greedy draft, an index into the draft vocabulary, from its hidden state
+    [..., d] (DSpark's Markov bias from `previous` [...], the token before it)."""
+    rows, before = hidden.reshape(-1, hidden.shape[-1]), previous.reshape(-1)
+    drafts = torch.empty(len(rows), dtype=torch.long, device=hidden.device)
+    for at in range(0, len(rows), ARGMAX_CHUNK_ROWS):
+        logits = model.logits(rows[at:at + ARGMAX_CHUNK_ROWS], lm_head)
+        if model.config.markov_rank:
+            logits = logits + model.markov_bias(model.markov_state(before[at:at + ARGMAX_CHUNK_ROWS])).float()
+        drafts[at:at + ARGMAX_CHUNK_ROWS] = logits.argmax(-1)
+    return drafts.view(hidden.shape[:-1])
 
 
 def _greedy(model, hidden: Tensor, lm_head: Tensor, tokens: Tensor, roots: Tensor) -> list[list[int]]:
     """Each block's argmax drafts [blocks, drafts] as target ids; DSpark's Markov bias from the
     token before each draft (the data's: drafts after a miss are never verified)."""
-    drafted: list[list[int]] = []
-    for at in range(0, len(roots), GREEDY_CHUNK_BLOCKS):
-        part, part_roots = hidden[at:at + GREEDY_CHUNK_BLOCKS], roots[at:at + GREEDY_CHUNK_BLOCKS]
-        logits = model.logits(part, lm_head)
-        if model.config.markov_rank:
-            before = (part_roots[:, None] + torch.arange(part.shape[1], device=roots.device)).clamp(max=len(tokens) - 1)
-            logits = logits + model.markov_bias(model.markov_state(tokens[before])).float()
-        drafted += model.draft_to_target[logits.argmax(-1)].tolist()
-    return drafted
+    before = (roots[:, None] + torch.arange(hidden.shape[1], device=roots.device)).clamp(max=len(tokens) - 1)
+    return model.draft_to_target[draft_argmax(model, hidden, tokens[before], lm_head)].tolist()
 
 
 def sequence_rounds(model, embed: Tensor, lm_head: Tensor, tokens: Tensor, taps: list[Tensor], reply: Tensor,

@@ -42,6 +42,7 @@ from bench.core.errors import BenchError
 from bench.core.training.features import FeatureData, ensure_features, training_manifest
 from bench.core.training.vocab_rows import agrees
 from methods.dflash.model import BlockConfig, BlockDraftModel, default_mask_token_id, zlab_taps
+from methods.dflash.rounds import ARGMAX_CHUNK_ROWS, draft_argmax
 from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
 
 FORMAT = "spec-bench-block-drafter/2"  # /1: legacy names and convention
@@ -296,16 +297,15 @@ def heldout_slot_accuracy(objective: BlockObjective, batches: FeatureBatches,
     for i in range(0, len(spans), 4):
         batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
         out = objective.forward(batch)
-        logits = model.logits(out["hidden"], objective.lm_head)
-        if model.config.markov_rank:
-            logits = logits + model.markov_bias(model.markov_state(out["previous"])).float()
+        drafted = draft_argmax(model, out["hidden"], out["previous"], objective.lm_head)
         key, cached = _fingerprint(out["teacher"]), cache.get(i)
         if cached is not None and cached[0] == key:
-            teacher_top = cached[1].to(logits.device)
+            teacher_top = cached[1].to(drafted.device)
         else:
-            teacher_top = F.linear(out["teacher"], objective.lm_head).float().argmax(-1)
+            teacher_top = torch.cat([F.linear(rows, objective.lm_head).float().argmax(-1)
+                                     for rows in out["teacher"].split(ARGMAX_CHUNK_ROWS)])
             cache[i] = (key, teacher_top.cpu())
-        hit = (logits.argmax(-1) == teacher_top).float().cpu()
+        hit = (drafted == teacher_top).float().cpu()
         slots = out["slots"].cpu()
         hits.index_add_(0, slots, hit)
         counts.index_add_(0, slots, torch.ones_like(hit))
