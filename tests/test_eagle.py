@@ -381,7 +381,7 @@ def test_taps_and_fc_norm_options_and_old_checkpoints_still_resume(default_targe
 
 
 @pytest.mark.parametrize("method,loop,kind", [("eagle3", "eagle3", "eagle3"), ("eagle", "eagle2", "eagle1")])
-def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method, loop, kind):
+def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method, loop, kind, monkeypatch):
     """rank_accuracy's replay: the head's unrolled pass over a turn (EAGLE-3's TTT pass; EAGLE-1
     fed its own predicted features) drafts, at every row, what a top-1 chain as deep as its
     steps drafts there in the decode loop, so the rounds it replays on a turn the loop decoded
@@ -419,6 +419,10 @@ def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method
                                EagleTrainSettings(ttt_steps=steps))
     accuracy, replay = rank_accuracy(objective, batches)
     assert len(accuracy) == steps
+    import methods.eagle.training as training
+
+    monkeypatch.setattr(training, "TEACHER_CHUNK_POSITIONS", 5)  # the teacher's argmax a few positions at a time
+    assert rank_accuracy(objective, batches) == (accuracy, replay)
     assert (replay["rounds"], replay["rounds_tau"], replay["rounds_a1"]) == (
         len(accepted), round(1 + sum(accepted) / len(accepted), 4),
         round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)

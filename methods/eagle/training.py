@@ -37,6 +37,9 @@ from methods.eagle.model import EagleConfig, EagleHead
 FORMAT = "spec-bench-eagle/1"
 HELDOUT_FRACTION = 0.02
 GROUP_BATCHES = 50  # group_by_length: batches per length-sorted chunk (HF's megabatch of 50)
+# Held-out positions whose full-vocabulary teacher logits are formed at a time (a batch of four
+# 1024-token conversations at once is [4, 1024, 49,152] fp32, 0.8 GB, beside a trainer).
+TEACHER_CHUNK_POSITIONS = 256
 RANKS = 10
 
 
@@ -348,7 +351,8 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
         k0 = v0 = None
         diagonal: list[tuple[Tensor, Tensor]] = []
         # The target's next token at every row, once: step s scores against it shifted by 1+s.
-        teacher = F.linear(batch[f"h{objective.final_tap}"].float(), objective.lm_head).argmax(-1)
+        teacher = torch.cat([F.linear(h.float(), objective.lm_head).argmax(-1)
+                             for h in batch[f"h{objective.final_tap}"].split(TEACHER_CHUNK_POSITIONS, dim=1)], dim=1)
         right = torch.zeros(steps, *tokens.shape, dtype=torch.bool)  # step s's top-1 right at row t
         for step in range(steps):
             embeds = F.embedding(shifted(tokens, 1 + step), objective.embed)
