@@ -580,6 +580,22 @@ def test_memory_cap_purges_jemalloc_only_past_its_limit():
     assert anonymous_bytes() > 0
 
 
+def test_memory_cap_set_by_the_user_gives_way_to_the_working_set_alone(monkeypatch):
+    from bench.core.training.memory import MemoryCap
+
+    monkeypatch.delenv("BENCH_TRAIN_MEMORY_GB", raising=False)
+    default = MemoryCap()
+    default.working_set = 6 * 2**30
+    assert default.cap() == max(default.limit, 12 * 2**30)  # twice the working set, or the 30% share
+    monkeypatch.setenv("BENCH_TRAIN_MEMORY_GB", "10")
+    mine = MemoryCap()
+    mine.working_set = 6 * 2**30
+    assert mine.cap() == 10 * 2**30
+    mine.working_set = 11 * 2**30
+    assert mine.cap() == 11 * 2**30  # never below what every step needs
+    assert MemoryCap(limit=2**30).margin == 2  # a limit passed in keeps the default margin
+
+
 def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
     """The fused reductions (vocab_rows) give the textbook loss: sum KL(p || q) + ce_weight * CE
     over the reply positions, divided by their count; and its metrics."""
