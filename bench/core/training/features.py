@@ -433,7 +433,6 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
     return store if run_dir is None else pinned_pool(store, Path(run_dir))
 
 
-
 def _pinned_shards(run_dir: Path, cache: str) -> float:
     """The shard count a resumed run began on in `cache` (inf where it is not such a run)."""
     from bench.core.training.loop import find_checkpoint

@@ -51,8 +51,7 @@ class MemoryCap:
     after any of its first WARMUP steps (jemalloc keeps a step's peak): a cap below it would
     purge pages every step needs again, and fault them all back in. A cap set in
     $BENCH_TRAIN_MEMORY_GB gives way to the working set alone, not twice it: two trainers side by
-    side may need the margin (an EAGLE-3 run at 1024 tokens held twice its 6.9 GB beside DSpark's
-    8 GB on a 24 GB machine). `purges` counts purges."""
+    side on a small machine may not have that margin. `purges` counts purges."""
 
     WARMUP = 5
 
