@@ -220,7 +220,7 @@ SCALE_COMPILE ?= --compile
 # eagle3-paperfc is the paper's un-normed fc, the ablation's other arm.
 EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
 # The eagle3 entry (session 40 on): the fc_norm head on more of the pool, conversations cut at 1024 tokens
-# instead of 512 (6.5M feature tokens of the distilled 7.02M, against 4.37M), 3 epochs (its scaling line
+# instead of 512 (feature_tokens 6.5M; the distilled data runs out first, at 6.24M, against 4.37M), 3 epochs (its scaling line
 # put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
 # grouped by length (random batches of 4 at 1024 tokens are ~28% padding).
 SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option feature_tokens=6500000 \
