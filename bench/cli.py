@@ -223,7 +223,7 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     if manifest.exists() and summary.get("last"):  # this invocation trained: say how, and where
         from bench.core.drafters import record_training_run
 
-        record_training_run(manifest.parent, _command_line(), settings.device)
+        record_training_run(manifest.parent, _command_line(), settings.device, summary.get("stretches"))
     from bench.core.drafters import heldout_of
 
     heldout = heldout_of(json.loads(manifest.read_text())) if manifest.exists() else {}

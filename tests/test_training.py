@@ -433,6 +433,39 @@ def test_stop_at_exports_checkpoints_and_the_rerun_ends_where_one_run_would(tmp_
     assert torch.equal(parts.w, whole.w)
 
 
+def test_stretches_say_which_steps_ran_where_across_resumes(tmp_path, monkeypatch):
+    """A run resumed with another thread count (or on another machine) records each stretch of
+    steps in its checkpoint; the manifest's machine names them all, and a checkpoint from
+    before stretches were kept leaves its steps 'not recorded' rather than claiming them."""
+    from bench.core.drafters import describe_stretches, record_training_run, write_drafter
+    from bench.core.training import loop
+
+    threads = torch.get_num_threads()
+    try:
+        cfg = loop.LoopConfig(max_steps=6, checkpoint_every_s=1e9, stop_at=0.0)  # one step per invocation
+        torch.set_num_threads(1)
+        loop.train(Toy(), next_batch, cfg, tmp_path, progress=False)
+        loop.train(Toy(), next_batch, cfg, tmp_path, progress=False)
+        torch.set_num_threads(2)
+        summary = loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=6, checkpoint_every_s=1e9), tmp_path,
+                             progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    stretches = summary["stretches"]
+    assert [(s["from_step"], s["to_step"]) for s in stretches] == [(0, 1), (1, 2), (2, 6)]
+    assert stretches == json.loads((tmp_path / "checkpoint" / "state.json").read_text())["stretches"]
+    assert stretches[0]["machine"].endswith(", 1 thread") and stretches[2]["machine"].endswith(", 2 threads")
+    machine = describe_stretches(stretches)
+    assert machine.count("(steps ") == 2 and "1 thread (steps 0-2); " in machine and "2 threads (steps 2-6)" in machine
+    assert describe_stretches(stretches[2:]) == stretches[2]["machine"]  # one machine: as before
+    old = [{"from_step": 0, "to_step": 4, "machine": None}, {"from_step": 4, "to_step": 6, "machine": "A, 1 thread"}]
+    assert describe_stretches(old) == "not recorded (steps 0-4); A, 1 thread (steps 4-6)"
+    write_drafter(tmp_path / "drafter", {"w": torch.zeros(2)}, {"method": "eagle3", "training": {}})
+    record_training_run(tmp_path / "drafter", "bench train --method eagle3", "cpu", stretches)
+    run = json.loads((tmp_path / "drafter" / "drafter.json").read_text())["training"]["runs"][0]
+    assert run["machine"] == machine and run["stretches"] == stretches
+
+
 def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     """`bench train --epochs E`: max_steps = E passes over the trainer's own data."""
     import dataclasses

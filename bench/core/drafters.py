@@ -200,19 +200,39 @@ def write_drafter(folder: Path, weights: dict[str, torch.Tensor], manifest: dict
     tmp.rmdir()
 
 
-def record_training_run(folder: Path, command: str, device: str) -> None:
-    """Add to a trained drafter's manifest the command that trained it and the machine it ran
-    on (a run resumed elsewhere adds another entry): what the README's drafter table shows."""
+def record_training_run(folder: Path, command: str, device: str, stretches: list[dict] | None = None) -> None:
+    """Add to a trained drafter's manifest the command that trained it and the machines it ran
+    on: what the README's drafter table shows. stretches: the loop's record of which steps ran
+    where ({from_step, to_step, machine}; machine None where a checkpoint from before these
+    records does not say), else the machine this finishing invocation runs on."""
     from bench.core.files import write_json
-    from bench.core.provenance import device_name, timestamp
+    from bench.core.provenance import timestamp, training_machine
 
     folder = Path(folder)
     manifest = read_manifest(folder)
     training = manifest.setdefault("training", {})
-    threads = torch.get_num_threads()
-    machine = device_name(device) + ("" if device.startswith("cuda") else f", {threads} thread{'s' * (threads != 1)}")
-    training.setdefault("runs", []).append({"command": command, "machine": machine, "finished_at": timestamp()})
+    run = {"command": command, "machine": describe_stretches(stretches) if stretches else training_machine(device),
+           "finished_at": timestamp()}
+    if stretches:
+        run["stretches"] = stretches
+    training.setdefault("runs", []).append(run)
     write_json(folder / MANIFEST, manifest)
+
+
+def describe_stretches(stretches: list[dict]) -> str:
+    """One line for the machines a resumed run trained on, in step order, neighbours on the same
+    machine merged: 'A, 1 thread (steps 0-3210); A, 2 threads (3210-4632)'."""
+    merged: list[list] = []
+    for s in stretches:
+        if s["to_step"] <= s["from_step"]:
+            continue
+        if merged and merged[-1][0] == s["machine"] and merged[-1][2] == s["from_step"]:
+            merged[-1][2] = s["to_step"]
+        else:
+            merged.append([s["machine"], s["from_step"], s["to_step"]])
+    if len(merged) == 1 and merged[0][0]:
+        return merged[0][0]
+    return "; ".join(f"{m or 'not recorded'} (steps {a}-{b})" for m, a, b in merged) or "not recorded"
 
 
 SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)

@@ -39,6 +39,13 @@ def device_name(device: str) -> str:
     return platform.processor() or "cpu"
 
 
+def training_machine(device: str) -> str:
+    """Where a stretch of training ran, as the README's drafter table says it: the device and,
+    on a CPU, the threads torch uses."""
+    threads = torch.get_num_threads()
+    return device_name(device) + ("" if device.startswith("cuda") else f", {threads} thread{'s' * (threads != 1)}")
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:

@@ -10,7 +10,8 @@ as an uninterrupted one.
 Checkpoint folder layout (out_dir/checkpoint/, replaced atomically):
   params.safetensors     trainable parameters (fp32, by name)
   optimizer.safetensors  optimizer state tensors, keyed "<param name>.<state key>"
-  state.json             step, data cursor, elapsed time, settings
+  state.json             step, data cursor, elapsed time, settings, the stretches (which steps
+                         ran on which machine and thread count: a run resumes across machines)
   rng.safetensors        torch CPU RNG state (and CUDA's, for a CUDA run)
 """
 
@@ -34,6 +35,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench.core.errors import BenchError
+from bench.core.provenance import training_machine
 from bench.core.training.memory import MemoryCap
 
 CHECKPOINT = "checkpoint"
@@ -110,9 +112,10 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], tensors:
 
 def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.Optimizer,
                     step: int, cursor: int, elapsed: float, settings: dict, tokens_seen: int = 0,
-                    max_steps: int | None = None) -> None:
+                    max_steps: int | None = None, stretches: list[dict] | None = None) -> None:
     """Write out_dir/checkpoint atomically: a temp folder renamed over the old one. max_steps:
-    the run's step count as it stands (not part of its identity: `bench train --status` reads it)."""
+    the run's step count as it stands (not part of its identity: `bench train --status` reads it);
+    stretches: which steps ran where ({from_step, to_step, machine, elapsed_s}), for the manifest."""
     named = objective.named_parameters()
     names = [n for n, _ in named]
     final = out_dir / CHECKPOINT
@@ -129,7 +132,7 @@ def save_checkpoint(out_dir: Path, objective: Objective, optimizer: torch.optim.
     save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({
         "step": step, "cursor": cursor, "elapsed_s": elapsed, "tokens_seen": tokens_seen, "max_steps": max_steps,
-        "optimizer": extra,
+        "stretches": stretches or [], "optimizer": extra,
         "settings": settings,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
     # Swap in two renames; a crash in between leaves .old, which load_checkpoint falls back to.
@@ -261,6 +264,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
     ordered = _NamedParams(named)
     step, cursor, elapsed, tokens_seen = 0, 0, 0.0, 0
     resumed_from = None
+    stretches: list[dict] = []
     log_path = out_dir / LOG
     found = find_checkpoint(out_dir)
     if found is not None:
@@ -276,6 +280,8 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
         step, cursor, elapsed = state["step"], state["cursor"], state["elapsed_s"]
         tokens_seen = int(state.get("tokens_seen", 0))
         resumed_from = step
+        # A checkpoint from before stretches were kept does not say where its steps ran.
+        stretches = state.get("stretches") or ([{"from_step": 0, "to_step": step, "machine": None}] if step else [])
         _trim_log(log_path, step)
     elif log_path.exists():
         log_path.unlink()
@@ -284,6 +290,10 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
     stopped = False
     last_save = last_export = time.monotonic()
     started = time.monotonic() - elapsed
+    here = {"from_step": step, "to_step": step, "machine": training_machine(str(params[0].device)), "elapsed_s": 0.0}
+    if step < cfg.max_steps:
+        stretches.append(here)
+    invoked = time.monotonic()
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not progress)
     memory = MemoryCap()
     with log_path.open("a") as log:
@@ -326,8 +336,9 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                 on_checkpoint(step)  # before the last checkpoint, as a milestone: a run stopped in between redoes
                 last_export = time.monotonic()  # its last steps and exports again (after it, nothing would)
             if due_time or due_step or reached or final:
+                here.update(to_step=step, elapsed_s=round(time.monotonic() - invoked, 1))
                 save_checkpoint(out_dir, ordered, optimizer, step, cursor, time.monotonic() - started, settings,
-                                tokens_seen, cfg.max_steps)
+                                tokens_seen, cfg.max_steps, stretches)
                 export_every = cfg.export_every_s if cfg.export_every_s is not None else 6 * cfg.checkpoint_every_s
                 export_due = time.monotonic() - last_export >= export_every and not reached
                 if on_checkpoint is not None and not final and (export_due or due_step):
@@ -338,7 +349,7 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
                 break
     bar.close()
     return {"steps": step, "max_steps": cfg.max_steps, "stopped": stopped, "resumed_from": resumed_from,
-            "first": first, "last": last, "tokens_seen": tokens_seen,
+            "first": first, "last": last, "tokens_seen": tokens_seen, "stretches": stretches,
             "elapsed_s": round(time.monotonic() - started, 1), "log": str(log_path)}
 
 
