@@ -497,7 +497,10 @@ def test_ship_drafter_stores_bf16_and_makes_the_folder_that_drafter(tmp_path):
     weights = {"w": torch.randn(8, 4), "vocab": torch.arange(5)}
     save_file(weights, str(source / WEIGHTS))
     (source / MANIFEST).write_text(json.dumps({"method": "eagle3", "training": {"steps": 3}}))
-    (source / "draft_vocab.json").write_text("[1, 2]")  # a trainer's resume file: not shipped
+    (source / "draft_vocab.json").write_text("[1, 2]")  # a trainer's resume files: not shipped
+    from bench.core.training.features import POOL
+
+    (source / POOL).write_text('{"cache": "c", "shards": 1, "tokens": 9}')
     (source / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n' * 50)
     (source / "tokenizer.json").write_text("{}")
     root = tmp_path / "shipped"

@@ -240,9 +240,11 @@ SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project toget
 # evenly spaced, the first and the last among them (an at-scale run logs thousands: ~0.2 KB each,
 # gzipped); the full log stays in the training folder, and the manifest says how it was thinned.
 SHIPPED_LOG_LINES = 1000
-# What a trainer keeps beside the drafter to resume with the same draft vocabulary; the map
-# itself is a buffer in the weights, so a shipped drafter does without them.
-RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors")
+# What a trainer keeps beside the drafter to resume with the same draft vocabulary (the map
+# itself is a buffer in the weights) and on the same feature pool (pool.json, the name
+# bench.core.training.features.POOL gives it; the manifest keeps the pool's size): a shipped
+# drafter does without them.
+RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors", "pool.json")
 
 
 def ship_drafter(source: Path, dest: Path, dtype: torch.dtype | None = torch.bfloat16) -> int:
