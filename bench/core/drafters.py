@@ -221,7 +221,7 @@ def record_training_run(folder: Path, command: str, device: str, stretches: list
 
 def describe_stretches(stretches: list[dict]) -> str:
     """One line for the machines a resumed run trained on, in step order, neighbours on the same
-    machine merged: 'A, 1 thread (steps 0-3210); A, 2 threads (3210-4632)'."""
+    machine merged: 'A, 1 thread (steps 0-3210); A, 2 threads (steps 3210-4632)'; one machine alone: 'A, 1 thread'."""
     merged: list[list] = []
     for s in stretches:
         if s["to_step"] <= s["from_step"]:
