@@ -18,6 +18,7 @@ repeats beside its bootstrap interval.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -359,6 +360,26 @@ def _drafter_run(series: str, drafter: dict) -> str | None:
     return re.sub(r"/kept/\d+-tokens/?$", "", str(drafter.get("drafter", ""))) or None
 
 
+def _shipped_trained_tokens(method: str, digest: str | None) -> int | None:
+    """Tokens the shipped drafter with this weights digest was trained on, from its manifest:
+    MTP's and SpS's records carry the digest but not the count (Medusa's neither)."""
+    return _shipped_tokens_by_digest(method).get(digest) if digest else None
+
+
+@functools.cache
+def _shipped_tokens_by_digest(method: str) -> dict[str, int]:
+    import methods  # noqa: F401  (registers the shipped drafters)
+    from bench.core.drafters import MANIFEST, list_drafters, weights_sha1
+
+    found = {}
+    for _, name, kind, folder in list_drafters():
+        tokens = json.loads((folder / MANIFEST).read_text()).get("training", {}).get("tokens_seen") \
+            if name == method and kind == "shipped" else None
+        if tokens is not None and (digest := weights_sha1(folder)):
+            found[digest] = int(tokens)
+    return found
+
+
 def _drafter_id(drafter: dict) -> str | None:
     """Which drafter ran: its weights' digest where the method records one, else its export
     (time and trained tokens: `bench ship` adds keys to the manifest it copies, so a shipped
@@ -401,9 +422,11 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
             drafter = run.settings.get("drafter") if isinstance(run.settings.get("drafter"), dict) else {}
             group = groups.setdefault(tuple(values[n] for n in names), {
                 "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
-                # Not every method's records carry it (MTP, Medusa): then the scaling tag's count.
-                "trained_tokens": drafter.get("trained_tokens") or (scaling_tokens(run.series)
-                                                                    if run.method != BASELINE else None),
+                # Not every method's records carry it (MTP, SpS, Medusa): then the shipped drafter's
+                # of the same weights, else the scaling tag's count.
+                "trained_tokens": drafter.get("trained_tokens") or (
+                    None if run.method == BASELINE else
+                    _shipped_trained_tokens(run.method, drafter.get("weights_sha1")) or scaling_tokens(run.series)),
                 "drafter_run": _drafter_run(run.series, drafter),
                 "drafter_weights": drafter.get("weights_sha1"),
                 "drafter_id": _drafter_id(drafter),

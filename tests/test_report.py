@@ -138,6 +138,34 @@ def test_pooled_revisions_follow_the_drafter_not_the_revision_number(tmp_path):
         ("grid.r3, grid.r4", 5, "5.00M tokens")]
 
 
+def test_a_record_without_token_count_takes_the_shipped_drafter_of_its_weights(tmp_path, monkeypatch):
+    """MTP's and SpS's records name their drafter by its weights' digest only: the table takes the
+    trained tokens from the shipped drafter with those weights, and from no other."""
+    from bench import tables
+    from bench.core import drafters
+
+    shipped = tmp_path / "shipped" / TARGET / "pld"
+    shipped.mkdir(parents=True)
+    (shipped / drafters.WEIGHTS).write_bytes(b"weights of the shipped drafter")
+    (shipped / drafters.MANIFEST).write_text(json.dumps({"training": {"tokens_seen": 6_460_094}}))
+    monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path / "shipped"])
+    tables._shipped_tokens_by_digest.cache_clear()
+    results = tmp_path / "results"
+    write_clean(results, tag="grid")
+    digest = drafters.weights_sha1(shipped)
+    write_run(results, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
+    write_run(results, "gsm8k", "pld", "grid.r2", [turn("1", decode=0.9, **PLD_ROUNDS)],
+              drafter={"weights_sha1": digest})
+    write_run(results, "mtbench", "pld", "grid.r2", [turn("1", 1, decode=0.9, **PLD_ROUNDS)],
+              drafter={"weights_sha1": "0123456789ab"})  # no shipped drafter has these weights
+    try:
+        per_task = summarize(load_records(results, tags=("grid",)), "task")
+    finally:
+        tables._shipped_tokens_by_digest.cache_clear()
+    assert row(per_task, task="gsm8k", method="pld")["trained_tokens"] == 6_460_094
+    assert math.isnan(row(per_task, task="mtbench", method="pld")["trained_tokens"])
+
+
 def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
     write_clean(tmp_path, tag="grid")
     write_run(tmp_path, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
