@@ -369,12 +369,13 @@ def _shipped_trained_tokens(method: str, digest: str | None) -> int | None:
 @functools.cache
 def _shipped_tokens_by_digest(method: str) -> dict[str, int]:
     import methods  # noqa: F401  (registers the shipped drafters)
-    from bench.core.drafters import MANIFEST, list_drafters, weights_sha1
+    from bench.core.drafters import list_drafters, read_manifest, weights_sha1
 
     found = {}
     for _, name, kind, folder in list_drafters():
-        tokens = json.loads((folder / MANIFEST).read_text()).get("training", {}).get("tokens_seen") \
-            if name == method and kind == "shipped" else None
+        if name != method or kind != "shipped":
+            continue
+        tokens = read_manifest(folder).get("training", {}).get("tokens_seen")
         if tokens is not None and (digest := weights_sha1(folder)):
             found[digest] = int(tokens)
     return found
