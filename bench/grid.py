@@ -220,7 +220,12 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
             earlier = _read_manifest(manifest_path)
             kept = [c for c in earlier.get("cells", [])
                     if (c.get("task"), c.get("method"), c.get("repeat", 1)) not in touched]
+            # "options" are this invocation's; several invocations under one tag (each method at
+            # its own options: `make paper-draft`) keep every method's in "method_options".
             manifest.update(plan={**earlier.get("plan", {}), **plan},
+                            methods=sorted({*earlier.get("methods", []), *methods}),
+                            method_options={**earlier.get("method_options", {}),
+                                            **{m: method_options or {} for m in methods}},
                             updated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             cells=kept + [asdict(c) for c in cells])
             write_manifest(manifest_path, manifest)

@@ -490,6 +490,11 @@ def test_grid_is_idempotent_and_never_overwrites(tmp_path, tiny_task, fake_bench
     assert "not interleaved" not in kinds(load_records(results, tags=("grid",)))
     cells = run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, remeasure_stale=True)
     assert [c.status for c in cells if c.method == "pld"] == ["up to date (skipped)"]
+    # A later invocation under the tag with one method at its own options keeps the others'.
+    run_grid(plan, ["pld"], "grid", str(results), 9, echo=lambda line: None, method_options={"num_pred_tokens": 3})
+    manifest = json.loads((results / TARGET / "grid-grid.json").read_text())
+    assert manifest["methods"] == ["eagle3", "pld"] and manifest["options"] == {"num_pred_tokens": 3}
+    assert manifest["method_options"] == {"pld": {"num_pred_tokens": 3}, "eagle3": {}}
 
 
 def test_grid_methods_come_from_the_registry():
@@ -759,7 +764,7 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monk
     mismatches; a goal whose method did not run says so."""
     import pandas as pd
 
-    from bench.goals import goals_summary, goals_table, scaling_fit
+    from bench.goals import AT_PAPER_DRAFT, goals_summary, goals_table, scaling_fit
 
     def cell(method, tau, speedup=1.2, match=1.0, near_ties=0, mismatches=0, task="mtbench"):
         return {"series": "grid", "task": task, "method": method, "tau": tau, "speedup": speedup,
@@ -794,6 +799,16 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monk
     assert status[("dspark τ ≥ 1.1 × dflash τ", "mtbench")][:2] == ("met", "2.50 vs 2.20 (1.14x)")
     assert status[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("missed", "2.50 / 2.00 / 2.10")
     assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
+    # The tree methods at their references' draft sizes: their τ goals checked apart, each named so,
+    # only for the methods that series ran, with no scaling line (those ran at the defaults).
+    paper = pd.DataFrame([cell("eagle3", 3.2), cell("eagle2", 2.8), cell("eagle", 2.6), cell("medusa", 1.9)])
+    at_paper = {(r.goal.removesuffix(AT_PAPER_DRAFT), r.task): (r.status, r.measured, r.note)
+                for r in goals_table(per_task, fit, paper_draft=paper.assign(series="paper-draft")).itertuples()
+                if r.goal.endswith(AT_PAPER_DRAFT)}
+    assert at_paper[("eagle3 τ ≥ 3", "mtbench")][:2] == ("met", "τ 3.20")
+    assert at_paper[("medusa τ ≥ 2", "mtbench")] == ("missed", "τ 1.90", "short by 0.10")
+    assert at_paper[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("met", "3.20 / 2.80 / 2.60")
+    assert not [goal for goal, _ in at_paper if goal.startswith(("mtp", "dflash", "dspark"))]
     assert status[("eagle3 speedup > 1", "mtbench")][0] == "met"
     exact = status[("every method 100% exact against AR", "mtbench")]
     assert exact == ("missed", "8 of 9 methods", "mtp: 1 mismatched turns; dflash: 1 near ties")
