@@ -26,6 +26,12 @@ SPEEDUP_ABOVE_ONE = ("eagle2", "eagle3", "dflash", "ddtree", "dspark")
 # defaults are smaller: τ is bounded by the draft's shape, so its goals are checked there too.
 PAPER_DRAFT_TAG = "paper-draft"
 AT_PAPER_DRAFT = " at the references' draft sizes"
+# MTP's parallel variant (Gloeckle's heads) trained at scale and not shipped (`make mtp-parallel`):
+# the shipped MTP is the sequential one, so the MTP goal is checked on this series too.
+MTP_PARALLEL_TAG = "mtp-parallel"
+MTP_PARALLEL = " (parallel variant)"
+# The series besides the grid whose τ goals the report checks, each goal's name suffixed so.
+NAMED_SERIES = {PAPER_DRAFT_TAG: AT_PAPER_DRAFT, MTP_PARALLEL_TAG: MTP_PARALLEL}
 HELDOUT_TOP1 = {"sps": 0.6}  # the drafter's held-out top-1 agreement at draft position 0 (its manifest)
 # The decode path's goals on a native-bf16 CPU with 2 threads, read from `bench profile` records.
 CPU_STEP_OVER_MEMORY_LIMIT = 1.6  # the one-token step at most this multiple of weight bytes / read bandwidth
@@ -240,14 +246,14 @@ def tau_rows(per_task: pd.DataFrame, fit: pd.DataFrame | None = None, where: str
 
 def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
                 tuned: pd.DataFrame | None = None, profiles: list[dict] | None = None,
-                paper_draft: pd.DataFrame | None = None) -> pd.DataFrame:
+                named: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """One row per goal and task: the measured value, met or missed (by how much), and for a
     missed τ goal what the scaling fit says more data would do. One series per table: the
     caller selects it (the newest revision of the grid). `tuned`: the per-task table of the
     grid run at each method's tuned budget (`--budget auto`), whose speedups are checked too.
-    `profiles`: the kept `bench profile` records, for the CPU decode path's goals. `paper_draft`:
-    the per-task table of the tree methods at their references' draft sizes (PAPER_DRAFT_TAG),
-    whose τ goals are checked too, each named so."""
+    `profiles`: the kept `bench profile` records, for the CPU decode path's goals. `named`: the
+    per-task tables of NAMED_SERIES by tag (the tree methods at their references' draft sizes,
+    MTP's parallel variant), whose τ goals are checked too, each named so."""
     if per_task.empty:
         return pd.DataFrame()
     rows = []
@@ -272,8 +278,9 @@ def goals_table(per_task: pd.DataFrame, fit: pd.DataFrame | None = None,
             (f"short by {goal - top1:.2f}; " if top1 < goal else "") + f"as recorded by {folder}")
 
     rows += tau_rows(per_task, fit)
-    if paper_draft is not None and not paper_draft.empty:
-        rows += tau_rows(paper_draft, where=AT_PAPER_DRAFT)
+    for tag, table in (named or {}).items():
+        if table is not None and not table.empty:
+            rows += tau_rows(table, where=NAMED_SERIES[tag])
     for method in SPEEDUP_ABOVE_ONE:
         for series, where, label in ((per_task, "", ""), (tuned, " at its tuned budget", "budget ")):
             if series is None or series.empty:

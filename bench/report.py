@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.errors import BenchError
-from bench.goals import GOAL_SERIES, PAPER_DRAFT_TAG, goals_summary, goals_table, scaling_fit, scaling_rows
+from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.plots import Figured, make_figures
 from bench.records import Problem, record_files
@@ -155,22 +155,25 @@ def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
     return scaling_fit(scaling_rows(summarize(records, "task")))
 
 
-def paper_draft_of(results_dir: Path) -> pd.DataFrame | None:
-    """The per-task table of the tree methods at their references' draft sizes (`make
-    paper-draft`, its newest revision) where results_dir has it."""
-    try:
-        records = load_records(Path(results_dir), tags=(PAPER_DRAFT_TAG,))
-    except BenchError:
-        return None
-    return build_tables(records).per_task
+def named_series_of(results_dir: Path) -> dict[str, pd.DataFrame]:
+    """The per-task table (newest revision) of each of bench.goals' NAMED_SERIES that
+    results_dir has, by tag: the tree methods at their references' draft sizes (`make
+    paper-draft`), MTP's parallel variant (`make mtp-parallel`)."""
+    found = {}
+    for tag in NAMED_SERIES:
+        try:
+            found[tag] = build_tables(load_records(Path(results_dir), tags=(tag,))).per_task
+        except BenchError:
+            continue
+    return found
 
 
 def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
              profiles: list[dict] | None = None, manifests: list[dict] | None = None) -> pd.DataFrame | None:
     """The goals table (bench.goals) of the grid's series in the selection, with the speedups
     of the tuned series (`tuned`, --tuned-tag) and the CPU decode path's (the kept hardware
-    `profiles`) checked too, and the grid's τ goals at the references' draft sizes where
-    results_dir has that series (paper_draft_of); None without a grid series. A selection of
+    `profiles`) checked too, and the τ goals of the named series that results_dir has
+    (named_series_of: the references' draft sizes, MTP's parallel variant); None without a grid series. A selection of
     one other series that the grid ran with its own suites and settings (its manifest in
     `manifests` says so: `make machine-series` on another machine kind) is checked the same way."""
     per_task = tables.per_task
@@ -184,7 +187,7 @@ def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
         return None
     return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir),
                        tuned.per_task if tuned is not None else None, profiles,
-                       paper_draft_of(results_dir) if series[0] == "grid" else None)
+                       named_series_of(results_dir) if series[0] == "grid" else None)
 
 
 def grid_settings(manifest: dict) -> bool:

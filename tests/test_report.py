@@ -764,7 +764,7 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monk
     mismatches; a goal whose method did not run says so."""
     import pandas as pd
 
-    from bench.goals import AT_PAPER_DRAFT, goals_summary, goals_table, scaling_fit
+    from bench.goals import AT_PAPER_DRAFT, MTP_PARALLEL, goals_summary, goals_table, scaling_fit
 
     def cell(method, tau, speedup=1.2, match=1.0, near_ties=0, mismatches=0, task="mtbench"):
         return {"series": "grid", "task": task, "method": method, "tau": tau, "speedup": speedup,
@@ -801,10 +801,15 @@ def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monk
     assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
     # The tree methods at their references' draft sizes: their τ goals checked apart, each named so,
     # only for the methods that series ran, with no scaling line (those ran at the defaults).
+    # MTP's parallel variant likewise, beside them.
     paper = pd.DataFrame([cell("eagle3", 3.2), cell("eagle2", 2.8), cell("eagle", 2.6), cell("medusa", 1.9)])
+    parallel = pd.DataFrame([cell("ar", 1.0, 1.0), cell("mtp", 2.1, 1.1)])
+    named = goals_table(per_task, fit, named={"paper-draft": paper.assign(series="paper-draft"),
+                                              "mtp-parallel": parallel.assign(series="mtp-parallel")})
     at_paper = {(r.goal.removesuffix(AT_PAPER_DRAFT), r.task): (r.status, r.measured, r.note)
-                for r in goals_table(per_task, fit, paper_draft=paper.assign(series="paper-draft")).itertuples()
-                if r.goal.endswith(AT_PAPER_DRAFT)}
+                for r in named.itertuples() if r.goal.endswith(AT_PAPER_DRAFT)}
+    assert [(r.goal, r.status, r.measured) for r in named.itertuples() if r.goal.endswith(MTP_PARALLEL)] == [
+        ("mtp τ ≥ 2 (parallel variant)", "met", "τ 2.10")]
     assert at_paper[("eagle3 τ ≥ 3", "mtbench")][:2] == ("met", "τ 3.20")
     assert at_paper[("medusa τ ≥ 2", "mtbench")] == ("missed", "τ 1.90", "short by 0.10")
     assert at_paper[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("met", "3.20 / 2.80 / 2.60")
