@@ -150,11 +150,15 @@ paper-draft: $(STAMP)
 # MTP's parallel variant at scale (issue 14, "MTP (both variants)"): trained by `make train-at-scale
 # SCALE_TRAIN=mtp-parallel` into SCALE_OUT and not shipped (its three heads, a decoder layer each, would
 # take the shipped drafters past 100 MB), run on the grid's suites beside AR (tag mtp-parallel); the
-# report checks the MTP goal on it too. Where that training folder holds no drafter, says so and skips.
+# report checks the MTP goal on it too. Where that training folder holds no drafter, or only an export
+# from before its last step, says so and skips.
 MTP_PARALLEL_DRAFTER ?= $(SCALE_OUT)/mtp-parallel
 mtp-parallel: $(STAMP)
 	@if [ ! -f "$(MTP_PARALLEL_DRAFTER)/drafter.json" ]; then \
 	  echo "mtp-parallel: no drafter in $(MTP_PARALLEL_DRAFTER) (make train-at-scale SCALE_TRAIN=mtp-parallel): skipped"; \
+	elif ! $(BIN)/python -c "import json, sys; t = json.load(open(sys.argv[1]))['training']; \
+	    sys.exit(t['steps'] < t['max_steps'])" "$(MTP_PARALLEL_DRAFTER)/drafter.json"; then \
+	  echo "mtp-parallel: $(MTP_PARALLEL_DRAFTER) holds an export from before its training ended (bench train --status): skipped"; \
 	else \
 	  $(BIN)/python -m bench.grid --tag mtp-parallel --method mtp --option variant=parallel \
 	    --option drafter=$(MTP_PARALLEL_DRAFTER) && \
