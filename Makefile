@@ -243,7 +243,10 @@ oracle-sweep: $(STAMP)
 SCALE_TOKENS ?= 5000000
 SCALE_UNSHIPPED := mtp-parallel eagle3-paperfc  # trained and kept in SCALE_OUT, not shipped by the queue
 # An export's held-out evaluation takes 2-11 min on this CPU (EAGLE-3 to DSpark): every 2 h, not 30 min.
-SCALE_DATA ?= --option self_distill=true --option feature_tokens=$(SCALE_TOKENS) --epochs 2 --export-minutes 120
+# SCALE_DATA is every run's data; SCALE_SIZE its size unless SCALE_SIZE_<m> names the method's own (so a recorded
+# command holds each option once).
+SCALE_DATA ?= --option self_distill=true --export-minutes 120
+SCALE_SIZE ?= --option feature_tokens=$(SCALE_TOKENS) --epochs 2
 SCALE_TRAIN ?= eagle3 dflash dspark eagle mtp mtp-parallel medusa sps
 TRAIN_ARGS ?=
 # --compile (EAGLE-3, DFlash, DSpark): the trainers' hot functions through torch.compile (their unfused
@@ -253,14 +256,16 @@ SCALE_COMPILE ?= --compile
 # EAGLE-3 with SpecForge's EAGLE-3.1 per-tap RMSNorm before fc (a named option, the shipped head): this
 # target's paper taps differ ~9x in scale (scripts/tap_scales.py; results/README "EAGLE-3 fc_norm").
 # eagle3-paperfc is the paper's un-normed fc, the ablation's other arm.
-EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
+EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
 # The eagle3 entry (session 40 on): the fc_norm head on more of the pool, conversations cut at 1024 tokens
 # instead of 512 (feature_tokens 6.5M; the distilled data runs out first, at 6.24M, against 4.37M), 3 epochs (its scaling line
 # put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
 # grouped by length (random batches of 4 at 1024 tokens are ~28% padding).
-SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option feature_tokens=6500000 \
-  --option group_by_length=true --epochs 3 --keep-at 2e5,1e6,6.34e6
-SCALE_ARGS_eagle3-paperfc := $(EAGLE3_ARGS)
+EAGLE3_EPOCHS ?= 3
+SCALE_SIZE_eagle3 := --option feature_tokens=6500000 --epochs $(EAGLE3_EPOCHS)
+SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option group_by_length=true \
+  --keep-at 2e5,1e6,6.34e6
+SCALE_ARGS_eagle3-paperfc := $(EAGLE3_ARGS) --keep-at 2e5,1e6
 # DFlash and DSpark: the references' 512 anchors per conversation (SpecForge's and DeepSpec's
 # max_anchors: every reply position of our conversations), the loss in chunks and the draft layers
 # recomputed in the backward so that fits a batch of 16; the shipped DFlash (64 anchors) saw a fifth
@@ -286,7 +291,7 @@ SCALE_OUT ?= $(HOME)/.cache/spec-bench/drafters-scale
 SCALE_TAPS := 2,15,27,28,30
 train-at-scale: $(SETUP)
 	$(if $(filter-out eagle3,$(SCALE_TRAIN)),$(BENCH) features --extract $(SCALE_TAPS) --tokens $(SCALE_TOKENS) --self-distill)
-	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(SCALE_ARGS_$(m)) --out $(SCALE_OUT)/$(m) $(TRAIN_ARGS) && \
+	$(foreach m,$(SCALE_TRAIN),$(BENCH) train --method $(firstword $(subst -, ,$(m))) $(SCALE_DATA) $(or $(SCALE_SIZE_$(m)),$(SCALE_SIZE)) $(SCALE_ARGS_$(m)) --out $(SCALE_OUT)/$(m) $(TRAIN_ARGS) && \
 	  $(if $(filter $(SCALE_UNSHIPPED),$(m)),,$(BENCH) ship --method $(m) --drafter $(SCALE_OUT)/$(m) &&)) true
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
