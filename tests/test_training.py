@@ -466,6 +466,22 @@ def test_stretches_say_which_steps_ran_where_across_resumes(tmp_path, monkeypatc
     assert run["machine"] == machine and run["stretches"] == stretches
 
 
+def test_a_run_lengthened_on_resume_records_both_schedules(tmp_path):
+    """A finished run resumed with more steps (`--epochs` raised) trains its extra steps under a new
+    cosine, which restarts above the old run's last LR: the stretches and the manifest line say so."""
+    from bench.core.drafters import describe_stretches
+    from bench.core.training import loop
+
+    loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=4, warmup_steps=1, checkpoint_every_s=1e9), tmp_path,
+               progress=False)
+    summary = loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=6, warmup_steps=1, checkpoint_every_s=1e9),
+                         tmp_path, progress=False)
+    assert [(s["from_step"], s["to_step"], s["max_steps"]) for s in summary["stretches"]] == [(0, 4, 4), (4, 6, 6)]
+    assert describe_stretches(summary["stretches"]).endswith("; LR schedule 4 steps from step 0, then 6 steps from step 4")
+    lrs = [row["lr"] for row in loop.read_log(tmp_path)]
+    assert lrs[4] > lrs[3]  # the new schedule's step 4 sits higher on its cosine than the old run's last step
+
+
 def test_epochs_set_the_steps_from_the_data(tiny_target, sharegpt, tmp_path):
     """`bench train --epochs E`: max_steps = E passes over the trainer's own data."""
     import dataclasses

@@ -290,7 +290,9 @@ def train(objective: Objective, next_batch: Callable[[int], tuple[Any, int]], cf
     stopped = False
     last_save = last_export = time.monotonic()
     started = time.monotonic() - elapsed
-    here = {"from_step": step, "to_step": step, "machine": training_machine(str(params[0].device)), "elapsed_s": 0.0}
+    # max_steps: the schedule this stretch ran under (a resumed run may be lengthened; its cosine then restarts higher).
+    here = {"from_step": step, "to_step": step, "machine": training_machine(str(params[0].device)), "elapsed_s": 0.0,
+            "max_steps": cfg.max_steps}
     if step < cfg.max_steps:
         stretches.append(here)
     invoked = time.monotonic()
