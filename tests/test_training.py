@@ -477,7 +477,8 @@ def test_a_run_lengthened_on_resume_records_both_schedules(tmp_path):
     summary = loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=6, warmup_steps=1, checkpoint_every_s=1e9),
                          tmp_path, progress=False)
     assert [(s["from_step"], s["to_step"], s["max_steps"]) for s in summary["stretches"]] == [(0, 4, 4), (4, 6, 6)]
-    assert describe_stretches(summary["stretches"]).endswith("; LR schedule 4 steps from step 0, then 6 steps from step 4")
+    line = describe_stretches(summary["stretches"])
+    assert line.endswith("; LR schedule 4 steps from step 0, then 6 steps from step 4")
     lrs = [row["lr"] for row in loop.read_log(tmp_path)]
     assert lrs[4] > lrs[3]  # the new schedule's step 4 sits higher on its cosine than the old run's last step
 

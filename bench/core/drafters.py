@@ -222,7 +222,8 @@ def record_training_run(folder: Path, command: str, device: str, stretches: list
 def describe_stretches(stretches: list[dict]) -> str:
     """One line for the machines a resumed run trained on, in step order, neighbours on the same
     machine merged: 'A, 1 thread (steps 0-3210); A, 2 threads (steps 3210-4632)'; one machine alone: 'A, 1 thread'.
-    A run whose max_steps changed between stretches adds '; LR schedule 4 steps from step 0, then 6 steps from step 4'."""
+    A run whose max_steps changed between stretches adds
+    '; LR schedule 4 steps from step 0, then 6 steps from step 4'."""
     merged: list[list] = []
     for s in stretches:
         if s["to_step"] <= s["from_step"]:
@@ -236,7 +237,8 @@ def describe_stretches(stretches: list[dict]) -> str:
     else:
         text = "; ".join(f"{m or 'not recorded'} (steps {a}-{b})" for m, a, b in merged) or "not recorded"
     # A run lengthened on resume (more epochs) trained under two LR schedules: say so, from which step.
-    schedules = [(s["from_step"], s["max_steps"]) for s in stretches if s.get("max_steps") and s["to_step"] > s["from_step"]]
+    schedules = [(s["from_step"], s["max_steps"]) for s in stretches
+                 if s.get("max_steps") and s["to_step"] > s["from_step"]]
     changes = [(a, n) for i, (a, n) in enumerate(schedules) if i == 0 or n != schedules[i - 1][1]]
     if len(changes) > 1:
         text += "; LR schedule " + ", then ".join(f"{n} steps from step {a}" for a, n in changes)
