@@ -260,8 +260,10 @@ EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option 
 # The eagle3 entry (session 40 on): the fc_norm head on more of the pool, conversations cut at 1024 tokens
 # instead of 512 (feature_tokens 6.5M; the distilled data runs out first, at 6.24M, against 4.37M), 3 epochs (its scaling line
 # put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
-# grouped by length (random batches of 4 at 1024 tokens are ~28% padding).
-EAGLE3_EPOCHS ?= 3
+# grouped by length (random batches of 4 at 1024 tokens are ~28% padding). The shipped head ran 3 epochs, then
+# was lengthened to 4 on resume (EAGLE3_EPOCHS=4: its cosine restarted from step 7,665; results/README); a run
+# from scratch at 4 has one cosine over the 4 epochs.
+EAGLE3_EPOCHS ?= 4
 SCALE_SIZE_eagle3 := --option feature_tokens=6500000 --epochs $(EAGLE3_EPOCHS)
 SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option group_by_length=true \
   --keep-at 2e5,1e6,6.34e6
