@@ -614,6 +614,45 @@ def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, 
                    f"per-question tok/s), mean accepted tokens {speed.mean_accepted:.2f}")
 
 
+@main.command()
+@click.option("--study", default="dflash", show_default=True, help="which study's arms (bench/ablate.py: STUDIES)")
+@click.option("--arm", "arms", multiple=True, help="only this arm (repeatable; default every arm of the study)")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="steps per arm")
+@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="arms trained side by side (one thread each)")
+@click.option("--out", "out_dir", default=None,
+              help="the arms' training folders (default: $BENCH_CACHE/ablation/STUDY)")
+@click.option("--results-dir", default="results", show_default=True, help="where the study's record goes")
+@click.option("--collect", "collect_only", is_flag=True, help="train nothing: record the finished arms' table")
+def ablate(study, arms, steps, jobs, out_dir, results_dir, collect_only) -> None:
+    """Train a study's recipe arms on the same data, batches and steps (resumable), then record
+    per arm the held-out agreement by draft position, the τ it predicts and replays, and the
+    first draft's context probe (results/<target>/ablation/<study>.json; `bench report` draws it)."""
+    from pathlib import Path
+
+    from bench.ablate import STUDIES, collect, record_path, run_arms, table, write_record
+    from bench.core.target import DEFAULT_TARGET, cache_dir
+
+    if study not in STUDIES:
+        raise BenchError(f"unknown study '{study}' (known: {', '.join(STUDIES)})")
+    names = list(arms) or list(STUDIES[study].arms)
+    unknown = [a for a in names if a not in STUDIES[study].arms]
+    if unknown:
+        raise BenchError(f"unknown arm '{unknown[0]}' of study {study} (arms: {', '.join(STUDIES[study].arms)})")
+    out = Path(out_dir) if out_dir else cache_dir() / "ablation" / study
+    if not collect_only:
+        codes = run_arms(study, names, steps, out, jobs)
+        failed = [n for n, c in codes.items() if c != 0]
+        if failed:
+            click.echo(f"arms not finished: {', '.join(failed)} (their ablate.log says why; the same command "
+                       "resumes them)", err=True)
+    record = collect(study, names, steps, out, DEFAULT_TARGET)
+    path = record_path(Path(results_dir), DEFAULT_TARGET, study)
+    write_record(record, path)
+    click.echo(table(record))
+    click.echo(f"recorded in {path}")
+
+
 @main.command(name="pack")
 @click.argument("paths", nargs=-1)
 @click.option("--results-dir", default="results", show_default=True, help="folder of run records (no PATHS)")

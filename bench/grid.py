@@ -40,7 +40,16 @@ import click
 
 from bench.core.errors import BenchError
 from bench.core.options import option_pairs
-from bench.records import BASELINE, RunFile, check_tag, has_records, records_path, revision_tag, stored_file
+from bench.records import (
+    BASELINE,
+    RunFile,
+    check_tag,
+    has_records,
+    identity_of,
+    records_path,
+    revision_tag,
+    stored_file,
+)
 from bench.tune import AUTO, check_tuned_drafter, parse_budget, tuned_budget
 
 SKIPPED_METHODS = {BASELINE: "the baseline: runs beside every method", "hf": "outside reference, not a drafter"}
@@ -80,6 +89,10 @@ def _first_settings(path: Path) -> dict | None:
     return run.headers[0]["settings"] if run.headers else None
 
 
+def _same(first: dict | None, wanted: dict) -> bool:
+    return first is not None and identity_of(first) == identity_of(wanted)
+
+
 def cell_paths(results_dir: str | Path, target: str, task: str, method: str, tag: str) -> tuple[Path, Path]:
     """(method records, baseline records) of one cell under one tag."""
     return (records_path(Path(results_dir), target, task, method, tag),
@@ -94,7 +107,7 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
     while True:
         candidate = revision_tag(tag, revision)
         pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted))
-        if all(not has_records(path) or _first_settings(path) == settings for path, settings in pairs):
+        if all(not has_records(path) or _same(_first_settings(path), settings) for path, settings in pairs):
             return candidate
         revision += 1
 

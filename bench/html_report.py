@@ -152,9 +152,41 @@ def _goals(goals: pd.DataFrame) -> str:
             + _table(goals.drop(columns=["over"], errors="ignore")))
 
 
+def _serving(records: Records) -> str:
+    from bench.serving_gap import GAP, gap_table
+
+    frame = gap_table(records.runs)
+    if frame.empty:
+        return ('<p class="note">No run here names its drafter\'s held-out prediction (records made before '
+                "drafters carried it, or methods without a trained drafter).</p>")
+    return (f'<p class="note">Per trained method and task: the τ its drafter\'s manifest predicts (decode rounds '
+            "replayed on held-out replies cut to their first 128 tokens, greedy) beside the τ these records measured; "
+            f"a gap over {GAP:.0%} is flagged with its likely cause.</p>" + _table(frame))
+
+
+def _ablations(studies: list[dict], figures: list[Figured | Skipped]) -> str:
+    from bench.ablate import table
+
+    parts = []
+    for record in studies:
+        parts.append(f"<h3>{_e(record['study'])}: {_e(record['path'])}</h3>"
+                     f'<p class="note">{len(record["arms"])} arms, {record["steps"]} steps each, '
+                     f"on {_e(record['target'])}; "
+                     f"data {_e(json.dumps(record['shared']))}, loop {_e(json.dumps(record['loop']))}; "
+                     f"git {_e(str(record.get('git_sha', '?'))[:12])}, {_e(record.get('device_name', '?'))}.</p>")
+        rows = [line.strip("|").split("|") for line in table(record).splitlines()
+                if line.startswith("|") and not line.startswith("|---")]
+        parts.append(_table(pd.DataFrame([[c.strip() for c in r] for r in rows[1:]],
+                                         columns=[c.strip() for c in rows[0]])))
+        if record.get("missing"):
+            parts.append(f'<p class="warn">Not finished: {_e(", ".join(record["missing"]))}.</p>')
+        parts.append(_figures([f for f in figures if f.name == f"ablation-{record['study']}"]))
+    return "\n".join(parts)
+
+
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
            references: list[dict] | None = None, goals: pd.DataFrame | None = None,
-           tuned: pd.DataFrame | None = None) -> str:
+           tuned: pd.DataFrame | None = None, ablations: list[dict] | None = None) -> str:
     references = load_references() if references is None else references
     sizes = ", ".join(f"{task}: {n} turns" for task, n in tables.per_task[tables.per_task["method"] == "ar"]
                       .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
@@ -169,7 +201,9 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (greedy, the grid's suites and settings)", _goals(goals))]
           if goals is not None and not goals.empty else []),
-        ("figures", "Figures", _figures(figures)),
+        ("serving", "Training against serving", _serving(records)),
+        ("figures", "Figures", _figures([f for f in figures if not f.name.startswith("ablation-")])),
+        *([("ablations", "Recipe ablations (bench ablate)", _ablations(ablations, figures))] if ablations else []),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
         ("categories", "Per category (MT-bench, Spec-Bench)", _table(display_table(tables.per_category))),
         ("revisions", "Earlier revisions (before a retrained drafter or other settings)", _revisions(records)),

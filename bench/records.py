@@ -37,6 +37,19 @@ from bench.core.provenance import provenance
 BASELINE = "ar"  # the method every speedup is measured against; it runs beside every other
 
 
+# Drafter fields a record carries for the reports (what its manifest says of held-out data),
+# derived from the manifest that `manifest_sha` already names: not part of a run's identity.
+DRAFTER_NOTES = ("heldout",)
+
+
+def identity_of(settings: dict) -> dict:
+    """A record header's settings as runs are compared (resume, the grid's revisions)."""
+    drafter = settings.get("drafter")
+    if not isinstance(drafter, dict) or not any(k in drafter for k in DRAFTER_NOTES):
+        return settings
+    return dict(settings, drafter={k: v for k, v in drafter.items() if k not in DRAFTER_NOTES})
+
+
 def prompt_hash(prompt: list[int]) -> str:
     """The short name a turn record gives its prompt's token ids (resume matches on it)."""
     return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
@@ -535,10 +548,10 @@ class RunFile:
             print(f"[bench] {problem.kind}: {problem.where}: {problem.detail}", file=sys.stderr)
 
     def _check_settings(self) -> None:
-        if not self.headers or self.headers[0]["settings"] == self._wanted:
+        if not self.headers or identity_of(self.headers[0]["settings"]) == identity_of(self._wanted):
             return
-        first = self.headers[0]["settings"]
-        changed = sorted(k for k in set(self._wanted) | set(first) if self._wanted.get(k) != first.get(k))
+        first, wanted = identity_of(self.headers[0]["settings"]), identity_of(self._wanted)
+        changed = sorted(k for k in set(wanted) | set(first) if wanted.get(k) != first.get(k))
         raise BenchError(f"{self.path} was recorded with other settings ({', '.join(changed)}); "
                          "use --tag to start a separate record file")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.ablate import figure, records_in
 from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
@@ -356,7 +357,12 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         if tuned is not None:
             written.append(stage / "tables" / "tuned.csv")
             csv_table(tuned.per_task).to_csv(written[-1], index=False)
-        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view))
+        studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
+        drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
+        figures += drawn
+        written += [p for f in drawn for p in (f.png, f.svg)]
+        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view,
+                                                 ablations=studies))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))

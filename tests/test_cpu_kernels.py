@@ -214,3 +214,49 @@ def test_kernels_ab_finds_no_bit_difference_between_a_build_and_itself(kernels):
 
     bits = compare_bits(kernels, kernels, cases=2)
     assert bits == {"outputs_compared": 14, "outputs_differing": 0}
+
+
+TINY = """#include <torch/extension.h>
+torch::Tensor twice(torch::Tensor x) { return x * 2; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here")
+def test_a_build_killed_midway_does_not_wedge_the_next(tmp_path, monkeypatch):
+    """kill -9 during the build (torch's own `lock` file left behind, as a killed build leaves
+    it): the next build proceeds; a lock held by a live builder is waited for at most
+    BENCH_KERNEL_LOCK_TIMEOUT seconds, then the kernels are skipped with one line."""
+    import os
+    import signal
+    import sys
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY)
+    tier = cpu_kernels.cpu_tier()
+    code = ("import sys; from pathlib import Path; from bench.core import cpu_kernels; "
+            f"cpu_kernels.build(Path({str(source)!r}), {tier!r}, prefix='tiny')")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    child = subprocess.Popen([sys.executable, "-c", code], env=env)
+    name = cpu_kernels.build_name(source, tier, "tiny", ["-O3", "-fopenmp", *cpu_kernels.TIERS[tier][1]])
+    folder = tmp_path / "ext" / name
+    deadline = time.monotonic() + 60
+    while not folder.exists() and time.monotonic() < deadline:  # the child holds the lock and builds
+        time.sleep(0.05)
+    time.sleep(0.5)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    (folder / "lock").write_text("")  # what torch's FileBaton leaves when its owner dies
+    built = cpu_kernels.build(source, tier, prefix="tiny")
+    assert torch.equal(built.twice(torch.ones(3)), torch.full((3,), 2.0))
+    # A live holder: waited for, then given up on with one line (kernels() goes on without them).
+    import fcntl
+
+    holder = open(folder.with_name(name + ".build-lock"), "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    monkeypatch.setenv("BENCH_KERNEL_LOCK_TIMEOUT", "1")
+    with pytest.raises(cpu_kernels.LockTimeout, match="build-lock"):
+        cpu_kernels.build(source, tier, prefix="tiny")
+    holder.close()

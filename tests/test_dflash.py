@@ -462,3 +462,55 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkey
     rounds = sequence_rounds(model, target.engine.embed, lm_head, tokens, taps, reply,
                              reply & (torch.arange(len(tokens)) < len(tokens) - 1), 48)
     assert rounds == recorded_rounds({"accept_lengths": result.accept_lengths}) and rounds[1] > 0
+
+
+def test_recipe_deviations_train_decode_losslessly_and_are_probed(default_target, tiny_training, one_thread):
+    """The ablation's named deviations (a norm per tap, a learned mask input, the final norm at
+    ones, a draft vocabulary sized by coverage) reach the drafter config, decode losslessly,
+    cannot be exported to a published layout, and the export's context probe scores the first
+    draft with the real context, position a-1 withheld and the anchor masked."""
+    import bench.registry as registry
+    from methods.dflash.formats import export_drafter
+    from methods.dflash.training import train_block
+
+    settings = tiny_training(2, "deviations", tap_norm="true", learned_mask="true", norm_init="ones",
+                             vocab_coverage="0.5", draft_vocab=0)
+    train_block(default_target, settings, "dflash")
+    manifest = json.loads((settings.out_dir / "drafter.json").read_text())
+    arch = manifest["architecture"]
+    assert arch["tap_norm"] and arch["learned_mask"] and 0 < arch["draft_vocab_size"] < 49152
+    probe = manifest["heldout"]["context_probe"]
+    assert set(probe) == {"real", "drop_previous", "anchor_masked", "positions"} and probe["positions"] > 0
+    assert all(0 <= probe[k] <= 1 for k in ("real", "drop_previous", "anchor_masked"))
+    prompt = prompt_of(default_target)
+    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
+    reference = decode(default_target.engine, Drafter(), prompt, config).tokens
+    for name in ("dflash", "ddtree"):
+        decoder = registry.build_decoder(name, default_target, {"drafter": str(settings.out_dir)})
+        assert decoder.run_turn(prompt, config).tokens == reference
+    with pytest.raises(BenchError, match="tap_norm and learned_mask"):
+        export_drafter(default_target, settings.out_dir, "speculators", settings.out_dir / "x", ("dflash",))
+    with pytest.raises(BenchError, match="norm_init must be"):
+        train_block(default_target, tiny_training(1, "bad", norm_init="zeros"), "dflash")
+
+
+def test_probes_change_only_what_they_name(default_target):
+    """hide=1 hides exactly each block's position a-1 from its context; mask_anchor swaps the
+    anchor slot's input for the mask slots' and nothing else."""
+    model = random_model(default_target, block=4, draft_vocab=None)
+    lm_head = default_target.engine.lm_head.float()[model.draft_to_target]
+    objective = BlockObjective(model, default_target.engine.embed.float(), lm_head, 30,
+                               BlockTrainSettings(block_size=4, anchors=3))
+    width = 16
+    batch = {"tokens": torch.randint(0, 1000, (1, width)), "mask": torch.ones(1, width, dtype=torch.bool),
+             "lengths": torch.tensor([width])}
+    torch.manual_seed(3)
+    seen = objective.blocks(batch)
+    torch.manual_seed(3)
+    hidden = objective.blocks(batch, hide=1)
+    assert torch.equal(seen["anchors"], hidden["anchors"])
+    changed = seen["context_visible"] & ~hidden["context_visible"]
+    anchors = seen["anchors"][0].repeat_interleave(4)
+    assert changed[0].sum(-1).tolist() == [int(a >= 1) for a in anchors.tolist()]
+    assert all(changed[0, i, a - 1] for i, a in enumerate(anchors.tolist()) if a >= 1)
+    assert not (hidden["context_visible"] & ~seen["context_visible"]).any()

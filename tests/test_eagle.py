@@ -124,6 +124,10 @@ def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, o
     manifest = json.loads((folder / "drafter.json").read_text())
     assert manifest["target"]["fingerprint"] == default_target.fingerprint
     assert manifest["training"]["steps"] == 3 and len(manifest["heldout_rank_accuracy"]["step0"]) == 10
+    probe = manifest["heldout"].get("context_probe")  # EAGLE-1's first draft, real and with f_{a-1} withheld
+    assert (probe is None) == (kind != "eagle1")
+    if probe:  # the real context's first draft is the held-out step-0 top-1 (every position in both)
+        assert probe["real"] == pytest.approx(manifest["heldout_rank_accuracy"]["step0"][0], abs=1e-3)
     names = ["eagle", "eagle2"] if kind == "eagle1" else ["eagle3"]
     prompt = prompt_of(default_target)
     config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(0.0))
@@ -497,3 +501,16 @@ def test_length_grouped_batches_cover_every_conversation_once_with_little_paddin
     assert grouped.order(0) != grouped.order(1)
     generator = torch.Generator().manual_seed(0)
     assert plain.order(0) == torch.randperm(len(plain.train_spans), generator=generator).tolist()
+
+
+def test_the_probes_attention_over_earlier_keys_is_causal_attention_when_nothing_is_withheld():
+    """first_draft_probe's attention (earlier rows' keys, then the row's own withheld-feature
+    key) with the row's own key left as it is equals plain causal attention."""
+    import torch.nn.functional as F
+
+    from methods.eagle.training import _earlier_keys_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(_earlier_keys_attention(q, k, v, k, v), expected, atol=1e-5)

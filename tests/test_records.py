@@ -366,3 +366,32 @@ def test_reports_read_packed_records_as_plain_ones(tmp_path):
     assert not list(results.glob("*/*/*.jsonl")) and len(list(results.glob("*/*/*.jsonl.gz"))) == 4
     assert [(r.path, r.turns, r.headers) for r in after.runs] == [(r.path, r.turns, r.headers) for r in before.runs]
     assert after.problems == before.problems
+
+
+def test_a_drafters_heldout_note_is_not_part_of_a_runs_identity():
+    """Records made before drafters carried their held-out prediction resume and keep their
+    grid revision: the note is derived from the manifest that manifest_sha names."""
+    from bench.records import identity_of
+
+    old = {"method": "dflash", "drafter": {"drafter": "x", "manifest_sha": "abc"}}
+    new = {"method": "dflash", "drafter": {"drafter": "x", "manifest_sha": "abc", "heldout": {"rounds_tau": 2.0}}}
+    assert identity_of(old) == identity_of(new)
+    assert identity_of(dict(new, drafter={**new["drafter"], "manifest_sha": "def"})) != identity_of(old)
+
+
+def test_training_against_serving_flags_a_gap_over_ten_percent():
+    from types import SimpleNamespace
+
+    from bench.serving_gap import gap_table
+
+    def run(method, predicted, accepts, temperature=0.0):
+        turns = [{"accept_lengths": accepts, "proposed_lengths": [4] * len(accepts)}]
+        drafter = {"drafter": "x", "heldout": {"rounds_tau_first_128": predicted}} if predicted else {"drafter": "x"}
+        return SimpleNamespace(method=method, task="gsm8k", series="grid", pooled=turns,
+                               settings={"drafter": drafter, "sampling": {"temperature": temperature}})
+
+    frame = gap_table([run("dflash", 3.0, [1, 1, 1, 1]), run("eagle", 2.1, [1, 1, 1, 1]), run("pld", None, [1])])
+    assert list(frame["method"]) == ["dflash", "eagle"]  # pld names no prediction
+    assert list(frame["measured τ"]) == [2.0, 2.0]
+    flagged = dict(zip(frame["method"], frame["flag"]))
+    assert flagged["dflash"] and not flagged["eagle"]  # -33% flagged, -5% not

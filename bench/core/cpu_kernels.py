@@ -6,11 +6,14 @@ engine's earlier invariant path (fp64 attention, oneDNN GEMMs in row chunks and 
 pieces), which kept bf16 token-exact but cost ~40% at k = 16.
 
 The build is for this CPU's instruction tier (AMX tiles for the linears, else AVX512-BF16,
-else AVX2 + FMA), cached by torch
-under its extensions folder and keyed by tier and source hash, so a home shared by two
-machines never runs one's binary on the other, nor two checkouts each other's. Without a
-compiler or either tier, `kernels()` is None and the engine keeps its earlier path.
-SPEC_BENCH_CPU_KERNELS=0 turns them off (A/B runs).
+else AVX2 + FMA), cached under torch's extensions folder in a folder named by everything
+it depends on (tier, compiler flags, source, torch's version and install path), so neither
+two machines sharing a home nor two checkouts or virtualenvs ever run or rebuild each
+other's binary. One process builds at a time, under an OS file lock that dies with its
+owner: a build killed midway leaves no lock that wedges the next run (its half-written
+folder is rebuilt), and a wait past BENCH_KERNEL_LOCK_TIMEOUT seconds (default 900) names
+the lock and goes on without the kernels. Without a compiler or either tier, `kernels()`
+is None and the engine keeps its earlier path. SPEC_BENCH_CPU_KERNELS=0 turns them off.
 """
 
 from __future__ import annotations
@@ -67,15 +70,67 @@ def kernels(tier: str | None = None) -> ModuleType | None:
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 
 
+def build_name(source: Path, tier: str, prefix: str, cflags: list[str]) -> str:
+    """The build's folder name: tier, then a hash of what the binary depends on."""
+    depends = [Path(source).read_bytes(), " ".join(cflags).encode(), torch.__version__.encode(),
+               str(Path(torch.__file__).resolve().parent).encode(), sys.version.encode()]
+    digest = hashlib.sha1(b"\0".join(depends)).hexdigest()[:12]
+    return f"{prefix}_{tier}_{digest}"
+
+
+def extensions_root() -> Path:
+    """torch's extensions folder (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "torch_extensions"
+
+
+class LockTimeout(Exception):
+    pass
+
+
+def _hold(lock_path: Path, timeout: float):
+    """An exclusive OS lock on lock_path (released by the kernel when its owner dies), waited
+    for at most `timeout` seconds; one line on stderr while waiting."""
+    import fcntl
+    import time
+
+    handle = open(lock_path, "a+")
+    waited, said = 0.0, False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if waited >= timeout:
+                handle.close()
+                raise LockTimeout(f"waited {timeout:g} s for {lock_path} (another process is building the kernels)") \
+                    from None
+            if not said:
+                print(f"spec-bench: waiting for another process to build the CPU kernels ({lock_path})",
+                      file=sys.stderr)
+                said = True
+            time.sleep(0.5)
+            waited += 0.5
+
+
 def build(source: Path, tier: str, prefix: str = "spec_bench_cpu_bf16") -> ModuleType:
-    """Compile `source` for `tier` (torch caches the build). Named by tier and source: checkouts
-    of two versions (a run from a clone beside the main tree, scripts.kernels_ab's base) each
-    keep their own build instead of rebuilding one folder in turn."""
+    """Compile `source` for `tier` into its own folder (build_name), one process at a time;
+    torch's own `lock` file there, left by a build that was killed, is cleared first (it can
+    only be stale: every builder of this folder holds our lock)."""
     from torch.utils.cpp_extension import load
 
-    version = hashlib.sha1(Path(source).read_bytes()).hexdigest()[:10]
-    return load(name=f"{prefix}_{tier}_{version}", sources=[str(source)],
-                extra_cflags=["-O3", "-fopenmp", *TIERS[tier][1]], extra_ldflags=["-fopenmp"], verbose=False)
+    cflags = ["-O3", "-fopenmp", *TIERS[tier][1]]
+    name = build_name(source, tier, prefix, cflags)
+    folder = extensions_root() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    timeout = float(os.environ.get("BENCH_KERNEL_LOCK_TIMEOUT", "900"))
+    handle = _hold(folder.with_name(name + ".build-lock"), timeout)
+    try:
+        (folder / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder), verbose=False)
+    finally:
+        handle.close()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -182,6 +182,16 @@ def drafter_info(folder: Path, manifest: dict) -> dict:
             "exported_at": training.get("exported_at"), "manifest_sha": digest}
     if training.get("tokens_seen") is not None:  # trained positions so far (the scaling figure's x)
         info["trained_tokens"] = int(training["tokens_seen"])
+    heldout = heldout_of(manifest)
+    # What training predicts for serving (the reports set it beside the τ measured): the τ of
+    # decode rounds replayed on held-out replies cut to the grid's 128 tokens, else the product
+    # of per-position agreements. A note, not identity (bench.records.DRAFTER_NOTES).
+    predicted = {k: heldout[k] for k in ("predicted_tau", "rounds_tau") if isinstance(heldout.get(k), int | float)}
+    first = heldout.get("first_128")
+    if isinstance(first, dict) and isinstance(first.get("rounds_tau"), int | float):
+        predicted["rounds_tau_first_128"] = first["rounds_tau"]
+    if predicted:
+        info["heldout"] = predicted
     return info
 
 

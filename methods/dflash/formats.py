@@ -252,6 +252,10 @@ def export_drafter(target, folder: Path, fmt: str, out: Path, methods: tuple[str
     if config.convention not in (ZLAB, "sample_from_anchor"):
         raise BenchError(f"drafter {folder} follows our legacy convention (a learned MASK vector, no q/k-norm), "
                          "which no published layout expresses: retrain it (`bench train`)")
+    deviations = [k for k in ("tap_norm", "learned_mask") if getattr(config, k)]
+    if deviations:
+        raise BenchError(f"drafter {folder} was trained with {' and '.join(deviations)}, which no published layout "
+                         "expresses: it runs here only")
     dtype = state["fc.weight"].dtype
     model = BlockDraftModel(config)
     load_weights_into(model, state, folder)

@@ -82,6 +82,12 @@ class BlockConfig:
     markov_rank: int = 0  # DSpark's Markov head rank (0 = off: DFlash)
     enable_confidence_head: bool = False  # DSpark's confidence head
     confidence_head_with_markov: bool = True  # the confidence head also reads W1[x_{i-1}]
+    # Named deviations from z-lab's recipe (off in every reference; kept where an ablation
+    # justified them): an RMSNorm per tap before the fc (the taps' scales differ tenfold on
+    # SmolLM2, as EAGLE-3's `fc_norm`), and the mask slots' input as a learned vector that
+    # starts at the target's embedding of mask_token_id (`mask_embed`).
+    tap_norm: bool = False
+    learned_mask: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -129,7 +135,8 @@ class BlockConfig:
                 "qk_norm": self.qk_norm, "mask_token_id": self.mask_token_id, "block_size": self.block_size,
                 "drafts_per_block": self.drafts_per_block, "taps": list(self.taps), "num_layers": self.num_layers,
                 "draft_vocab_size": self.draft_vocab_size, "markov_rank": self.markov_rank,
-                "enable_confidence_head": self.enable_confidence_head}
+                "enable_confidence_head": self.enable_confidence_head,
+                **{k: True for k in ("tap_norm", "learned_mask") if getattr(self, k)}}
 
 
 def zlab_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -301,7 +308,9 @@ class BlockDraftModel(nn.Module):
         d = config.hidden_size
         self.fc = PackedLinear(len(config.taps) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        if config.mask_token_id is None:  # legacy drafters: a learned MASK input vector
+        if config.tap_norm:
+            self.tap_norms = nn.ModuleList(RMSNorm(d, config.rms_norm_eps) for _ in config.taps)
+        if config.mask_token_id is None or config.learned_mask:  # a learned MASK input vector
             self.mask_embed = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(BlockLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -340,6 +349,8 @@ class BlockDraftModel(nn.Module):
 
     def context(self, taps: list[Tensor]) -> Tensor:
         """Fused context features [.., n, d] from the tapped target states."""
+        if self.config.tap_norm:
+            taps = [norm(t) for norm, t in zip(self.tap_norms, taps)]
         return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
 
     def context_kv(self, context: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -354,14 +365,15 @@ class BlockDraftModel(nn.Module):
 
     def block_inputs(self, anchors: Tensor, embed: Tensor, slots: int) -> Tensor:
         """[.., slots, d]: the anchor's embedding, then the mask slots' (the target's embedding
-        of mask_token_id, or the learned vector of a legacy drafter)."""
+        of mask_token_id, or the learned vector: a legacy drafter's, or `learned_mask`)."""
         dtype = self.fc.weight.dtype
         c = self.config
         first = F.embedding(anchors, embed).to(dtype)
         if c.mask_token_id is None:
             rest = self.mask_embed.expand(*anchors.shape, slots - 1, -1)
             return torch.cat([first.unsqueeze(-2), rest.to(dtype)], dim=-2)
-        rest = embed[c.mask_token_id].to(dtype).expand(*anchors.shape, slots - 1, -1)
+        mask = self.mask_embed if c.learned_mask else embed[c.mask_token_id]
+        rest = mask.to(dtype).expand(*anchors.shape, slots - 1, -1)
         x = torch.cat([first.unsqueeze(-2), rest], dim=-2)
         return x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
 

@@ -43,7 +43,7 @@ from bench.core.training.features import FeatureData, ensure_features, training_
 from bench.core.training.vocab_rows import agrees
 from methods.dflash.model import BlockConfig, BlockDraftModel, default_mask_token_id, zlab_taps
 from methods.dflash.rounds import ARGMAX_CHUNK_ROWS, draft_argmax
-from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary
+from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary, vocabulary_for_coverage
 
 FORMAT = "spec-bench-block-drafter/2"  # /1: legacy names and convention
 
@@ -83,6 +83,14 @@ class BlockTrainSettings:
     # attention scores of hundreds of blocks over the context are the bulk of the rest.
     checkpoint_layers: bool = False
 
+    # Named deviations from the references' recipe (bench ablate measures each):
+    tap_norm: bool = False  # an RMSNorm per tap before the fc (BlockConfig.tap_norm)
+    learned_mask: bool = False  # the mask slots' input learned, from the target's mask-token row
+    # The final norm's start: "target" copies the target's final norm (the shared lm_head's
+    # scale); "ones", as the references (their drafter's norm starts at ones).
+    norm_init: str = "target"
+    vocab_coverage: float = 0.0  # > 0: draft_vocab is the fewest tokens covering this share of replies
+
     def slot_decay(self) -> float:
         return self.decay or max(4.0, (self.block_size - 2) / 2)
 
@@ -117,11 +125,13 @@ class BlockObjective:
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def blocks(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    def blocks(self, batch: dict[str, Tensor], hide: int = 0) -> dict[str, Tensor]:
         """Random anchors and everything indexed by them: slot positions [B, A, b], the row
         whose target distribution labels each slot (the position before its token), which
         slots are scored, and which context positions each slot sees [B, A*b, T] (before its
-        anchor; and its own block: BlockDraftModel.forward_block's training layout)."""
+        anchor; and its own block: BlockDraftModel.forward_block's training layout).
+        hide: the context's last `hide` positions before each anchor hidden too (a probe of
+        what the drafter reads there; training hides none)."""
         tokens, mask, lengths = batch["tokens"], batch["mask"], batch["lengths"]
         size, width = tokens.shape
         b, count = self.model.config.block_size, self.settings.anchors
@@ -147,20 +157,25 @@ class BlockObjective:
         next_tokens = torch.gather(tokens, 1, drafted.flatten(1)).view_as(label_clamped)
         scored &= self.in_draft_vocab[next_tokens]  # a token outside the draft vocabulary cannot be drafted
         blocks = anchors.shape[1]
-        sees_context = positions[None, None, :] < anchors[:, :, None]  # [B, A, T]
+        sees_context = positions[None, None, :] < anchors[:, :, None] - hide  # [B, A, T]
         sees_context = sees_context[:, :, None, :].expand(size, blocks, b, width).reshape(size, blocks * b, width)
         # RoPE positions run past the sequence's end where a block does (a decode-time block would too)
         return {"anchors": anchors, "slot_positions": slot_positions, "label_rows": label_clamped, "scored": scored,
                 "context_visible": sees_context}
 
-    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    def forward(self, batch: dict[str, Tensor], hide: int = 0, mask_anchor: bool = False) -> dict[str, Tensor]:
+        """The scored slots' hidden states and what labels them. Probes (held-out only): `hide`
+        (blocks), `mask_anchor`: the anchor slot holds the mask input instead of the anchor token."""
         model, c = self.model, self.model.config
-        blocks = self.blocks(batch)
+        blocks = self.blocks(batch, hide)
         size, width = batch["tokens"].shape
         context = model.context([batch[f"h{t}"] for t in c.taps])
         context_kv = model.context_kv(context, torch.arange(width, device=context.device)[None].expand(size, -1))
         anchor_tokens = torch.gather(batch["tokens"], 1, blocks["anchors"])
-        x = model.block_inputs(anchor_tokens, self.embed, c.block_size).flatten(1, 2)
+        x = model.block_inputs(anchor_tokens, self.embed, c.block_size)
+        if mask_anchor:
+            x = torch.cat([x[..., 1:2, :], x[..., 1:, :]], dim=-2)
+        x = x.flatten(1, 2)
         positions = blocks["slot_positions"].flatten(1)
         hidden = model.forward_block(x, positions, context_kv, context_visible=blocks["context_visible"],
                                      checkpoint_layers=self.settings.checkpoint_layers)
@@ -314,6 +329,36 @@ def heldout_slot_accuracy(objective: BlockObjective, batches: FeatureBatches,
             "positions": int(counts.sum())}
 
 
+# The context probes: what the first draft's agreement becomes with position a-1 hidden from
+# the context, and with the anchor token replaced by the mask input (EAGLE-1 has the same probe
+# of its own, methods/eagle/training.py: first_draft_probe).
+PROBES = {"real": {}, "drop_previous": {"hide": 1}, "anchor_masked": {"mask_anchor": True}}
+
+
+@torch.no_grad()
+def first_draft_probe(objective: BlockObjective, batches: FeatureBatches) -> dict:
+    """Held-out top-1 agreement of each block's first draft under each of PROBES (the same
+    seeded anchors for all), and the positions scored."""
+    model = objective.model
+    out: dict[str, float | int] = {}
+    for name, probe in PROBES.items():
+        hits = total = 0
+        state = torch.get_rng_state()
+        torch.manual_seed(4321)
+        spans = batches.heldout_spans
+        for i in range(0, len(spans), 4):
+            batch = {k: v.to(objective.embed.device) for k, v in batches.batch(spans[i: i + 4]).items()}
+            rows = objective.forward(batch, **probe)
+            first = rows["slots"] == 0
+            drafted = draft_argmax(model, rows["hidden"][first], rows["previous"][first], objective.lm_head)
+            teacher = F.linear(rows["teacher"][first], objective.lm_head).float().argmax(-1)
+            hits, total = hits + int((drafted == teacher).sum()), total + int(first.sum())
+        torch.set_rng_state(state)
+        out[name] = round(hits / max(1, total), 4)
+        out["positions"] = total
+    return out
+
+
 def export_model(model: BlockDraftModel, folder: Path, manifest: dict) -> None:
     tensors = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
     tensors["draft_to_target"] = model.draft_to_target
@@ -356,6 +401,10 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         raise BenchError(f"{method}: block_size must be >= 2, anchors and num_layers >= 1")
     if train_settings.labels not in ("data", "target"):
         raise BenchError(f"{method}: labels must be data or target, got '{train_settings.labels}'")
+    if train_settings.norm_init not in ("target", "ones"):
+        raise BenchError(f"{method}: norm_init must be target or ones, got '{train_settings.norm_init}'")
+    if not 0.0 <= train_settings.vocab_coverage <= 1.0:
+        raise BenchError(f"{method}: vocab_coverage must be in [0, 1], got {train_settings.vocab_coverage}")
     if train_settings.confidence_label not in ("sampled", "greedy", "both"):
         raise BenchError(f"{method}: confidence_label must be sampled, greedy or both, "
                          f"got '{train_settings.confidence_label}'")
@@ -372,12 +421,17 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
     tensors = store.load(needed)
     vocab = target.config.vocab_size
     draft_vocab = train_settings.draft_vocab if 0 < train_settings.draft_vocab < vocab else None
+    if train_settings.vocab_coverage > 0:
+        covering = vocabulary_for_coverage(tensors["tokens"], tensors["loss_mask"], vocab,
+                                           train_settings.vocab_coverage)
+        draft_vocab = min(draft_vocab or vocab, covering) if covering < vocab else draft_vocab
     config = BlockConfig.for_target(target.config, taps, num_layers=train_settings.num_layers,
                                     block_size=train_settings.block_size, draft_vocab_size=draft_vocab,
                                     sample_from_anchor=train_settings.sample_from_anchor, mask_token_id=mask_token,
                                     markov_rank=train_settings.markov_rank,
                                     enable_confidence_head=train_settings.enable_confidence_head,
-                                    confidence_head_with_markov=train_settings.confidence_head_with_markov)
+                                    confidence_head_with_markov=train_settings.confidence_head_with_markov,
+                                    tap_norm=train_settings.tap_norm, learned_mask=train_settings.learned_mask)
     torch.manual_seed(settings.seed)
     model = BlockDraftModel(config)
     if draft_vocab:
@@ -392,7 +446,10 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         save_file({"draft_to_target": model.draft_to_target.clone()}, str(vocab_file))
     engine = target.engine
     with torch.no_grad():
-        model.norm.weight.copy_(engine.final_norm)  # the shared lm_head expects the target's output scale
+        if train_settings.norm_init == "target":  # the shared lm_head expects the target's output scale
+            model.norm.weight.copy_(engine.final_norm)
+        if train_settings.learned_mask:
+            model.mask_embed.copy_(engine.embed[mask_token].float())
     model.to(settings.device)
     embed = engine.embed.float().to(settings.device)
     lm_head = engine.lm_head.float().to(settings.device)[model.draft_to_target.to(settings.device)]
@@ -412,6 +469,7 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         accuracy = heldout_slot_accuracy(objective, batches, cache)
         rounds = heldout_rounds(model, objective.embed, objective.lm_head, batches.tensors,
                                 batches.heldout_spans[-HELDOUT_ROUNDS_CONVERSATIONS:], keep=GRID_REPLY_TOKENS)
+        probe = first_draft_probe(objective, batches)
         tmp = out_dir / (HELDOUT_TEACHER + ".tmp")  # ~1 MB, every export: simpler than tracking changes
         torch.save(cache, tmp)
         tmp.replace(out_dir / HELDOUT_TEACHER)
@@ -419,7 +477,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
         keys = ("loss", "ce", "tv", "bce", "conf", "acc", "acc0", "acc1", "acc3", "acc7")
         manifest = {
             "method": method, "target": target_info, "weights": WEIGHTS,
-            "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"]), **rounds),
+            "heldout": dict(accuracy, **heldout_prediction(accuracy["slot_accuracy"]), **rounds,
+                            context_probe=probe),
             "block": {"input_slots": config.block_size, "drafts_per_block": config.drafts_per_block,
                       "anchor_predicts_next": config.sample_from_anchor, "convention": config.convention},
             "training": training_manifest(step, settings, train_settings, store, len(batches.train_spans), rows, keys),

@@ -387,6 +387,53 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
     return accuracy, dict(replay, rounds_chain=f"top-1 chain, {len(counts)} deep")
 
 
+@torch.no_grad()
+def first_draft_probe(objective: EagleObjective, batches: FeatureBatches) -> dict:
+    """EAGLE-1's first-draft top-1 agreement on the held-out conversations with its real
+    context, and with the feature of the position before the anchor withheld (zero in that
+    row's own input, every earlier row intact): the probe methods/dflash/training.py runs on
+    the block drafters, at the same positions (every one here, a seeded sample there)."""
+    head = objective.head
+    if head.config.kind == "eagle3" or head.config.num_layers != 1:
+        raise BenchError("first_draft_probe: EAGLE-1 heads of one layer only")
+    hits = {"real": 0, "drop_previous": 0}
+    total = 0
+    for i in range(0, len(batches.heldout_spans), 4):
+        batch = {k: v.to(objective.embed.device) for k, v in batches.batch(batches.heldout_spans[i: i + 4]).items()}
+        tokens, features = batch["tokens"], batch[f"h{objective.final_tap}"]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+        embeds = F.embedding(shifted(tokens, 1), objective.embed)
+        valid, _ = objective.labels(batch, 0)
+        teacher = shifted(F.linear(features.float(), objective.lm_head).argmax(-1), 1)[valid]
+        hidden = head.fuse([features], embeds)
+        real = head.forward_train(hidden, embeds, positions)
+        blind = head.fuse([torch.zeros_like(features)], embeds)  # the row's own feature withheld
+        q, k, v = head.qkv(hidden, embeds, positions)
+        q0, k0, v0 = head.qkv(blind, embeds, positions)
+        attn = _earlier_keys_attention(q0, k, v, k0, v0)
+        dropped = head.finish(blind, attn)
+        for name, out in (("real", real), ("drop_previous", dropped)):
+            drafted = head.logits(out[valid], objective.lm_head).argmax(-1)
+            hits[name] += int((drafted == teacher).sum())
+        total += int(valid.sum())
+    return {**{k: round(h / max(1, total), 4) for k, h in hits.items()}, "positions": total}
+
+
+def _earlier_keys_attention(q: Tensor, k: Tensor, v: Tensor, own_k: Tensor, own_v: Tensor) -> Tensor:
+    """Row t's query over the keys of rows < t and its own key `own_k` (not k's row t)."""
+    groups = q.shape[1] // k.shape[1]
+    expand = (lambda x: x.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda x: x)
+    k, v, own_k, own_v = expand(k), expand(v), expand(own_k), expand(own_v)
+    scale = q.shape[-1] ** -0.5
+    width = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    earlier = torch.ones(width, width, dtype=torch.bool, device=q.device).tril(-1)
+    scores = scores.masked_fill(~earlier, float("-inf"))
+    own = (q * own_k).sum(-1, keepdim=True) * scale
+    weights = torch.cat([scores, own], dim=-1).float().softmax(-1).to(v.dtype)
+    return weights[..., :width] @ v + weights[..., width:] * own_v
+
+
 def _coerce(value, kind: type):
     """An --option value as the setting's type ('true'/'1' -> True for booleans)."""
     if kind is bool and isinstance(value, str):
@@ -503,6 +550,8 @@ def train_eagle(target, settings, kind: str, method: str) -> dict:
         rows = loop.read_log(out_dir)
         head.eval()
         accuracy, replay = rank_accuracy(objective, batches, keep=GRID_REPLY_TOKENS)
+        if kind != "eagle3" and config.num_layers == 1:
+            replay["context_probe"] = first_draft_probe(objective, batches)
         head.train()
         manifest = {"method": method, "target": target_info, "weights": WEIGHTS, "heldout_rank_accuracy": accuracy,
                     "heldout": dict(heldout_prediction([accuracy[f"step{i}"][0] for i in range(len(accuracy))]),
