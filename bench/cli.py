@@ -653,6 +653,33 @@ def ablate(study, arms, steps, jobs, out_dir, results_dir, collect_only) -> None
     click.echo(f"recorded in {path}")
 
 
+@main.command(name="check")
+@click.argument("results_dir", default="results")
+@click.option("--notes/--no-notes", default=False, show_default=True, help="also list what only describes a series")
+def check_cmd(results_dir, notes) -> None:
+    """Read every record file under RESULTS_DIR and name, per file, what is malformed,
+    duplicated, foreign, unpaired or inconsistent; exit 1 if anything is (bench/check.py)."""
+    from pathlib import Path
+
+    from bench.check import DAMAGE, check, summary
+
+    if not Path(results_dir).is_dir():
+        raise BenchError(f"results folder not found: {results_dir}")
+    damaged, described = summary(check(Path(results_dir)))
+    for where, found in sorted(damaged.items()):
+        kinds = sorted({DAMAGE[p.kind] for p in found})
+        click.echo(f"{where}: {', '.join(kinds)}")
+        for problem in found:
+            click.echo(f"  {problem.kind}: {problem.where}: {problem.detail}")
+    if notes:
+        for problem in described:
+            click.echo(f"note: {problem.kind}: {problem.where}: {problem.detail}")
+    click.echo(f"{len(damaged)} record file(s) with findings; {len(described)} note(s)"
+               + ("" if notes else " (--notes lists them)"))
+    if damaged:
+        sys.exit(1)
+
+
 @main.command(name="pack")
 @click.argument("paths", nargs=-1)
 @click.option("--results-dir", default="results", show_default=True, help="folder of run records (no PATHS)")
@@ -670,6 +697,8 @@ def pack_cmd(paths, results_dir) -> None:
     if missing:
         raise BenchError(f"no such file or folder: {', '.join(missing)}")
     files = sorted({f for r in roots for f in ([record_name(r)] if r.is_file() else record_files(r, "**/*"))})
+    if not files:
+        raise BenchError(f"no record files (*.jsonl, *.jsonl.gz) under {', '.join(map(str, roots))}: nothing to pack")
     packed, saved, left = 0, 0, []
     for path in files:
         try:

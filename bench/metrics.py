@@ -198,9 +198,29 @@ def modelled_speedup(method: list[dict], base: list[dict]) -> float:
 
 
 def match_rate(turns: list[dict]) -> float:
-    """Share of turns whose tokens equal the baseline's (greedy runs only)."""
+    """Share of turns whose tokens equal the baseline's (greedy runs only), as stored."""
     checked = [t["exact_match"] for t in turns if t.get("exact_match") is not None]
     return sum(checked) / len(checked) if checked else float("nan")
+
+
+def exact_matches(method: list[dict], base: list[dict]) -> list[dict]:
+    """The greedy turns (those that stored an exact_match flag) checked again: each turn's
+    token ids against its baseline turn's (the recorded baseline of the same question, turn
+    and repeat; else the baseline re-timed beside it). The stored flag is only a cache: a
+    turn whose flag and tokens disagree reads as its tokens say, and is counted in
+    `flag_disagrees`. A turn whose tokens or baseline are unknown keeps its flag."""
+    base_by_key = {_pair_key(t): t for t in base}
+    out = []
+    for turn in method:
+        stored = turn.get("exact_match")
+        if stored is None:
+            continue
+        reference = base_by_key.get(_pair_key(turn)) or turn.get("paired_baseline")
+        tokens = turn.get("tokens")
+        known_tokens = reference is not None and tokens is not None and reference.get("tokens") is not None
+        exact = tokens == reference["tokens"] if known_tokens else stored
+        out.append({"exact": exact, "stored": stored, "near_tie": bool(turn.get("near_tie")) and not exact})
+    return out
 
 
 def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
@@ -222,6 +242,13 @@ def summarize(method: list[dict], base: list[dict] | None = None) -> dict:
         "near_ties": sum(t.get("exact_match") is False and bool(t.get("near_tie")) for t in method),
         "mismatches": sum(t.get("exact_match") is False and not t.get("near_tie") for t in method),
     }
+    if base is not None:  # derived from the token ids, not the stored flags
+        checked = exact_matches(method, base)
+        if checked:
+            row["match_rate"] = sum(c["exact"] for c in checked) / len(checked)
+            row["near_ties"] = sum(c["near_tie"] for c in checked)
+            row["mismatches"] = sum(not c["exact"] and not c["near_tie"] for c in checked)
+            row["flag_disagrees"] = sum(c["exact"] != c["stored"] for c in checked)
     if base is not None:
         # the AR rate each speedup is against (its paired turns): tok/s / this = the speedup
         row["base_tokens_per_s"] = tokens_per_second(paired(method, base)[1])

@@ -50,6 +50,22 @@ def identity_of(settings: dict) -> dict:
     return dict(settings, drafter={k: v for k, v in drafter.items() if k not in DRAFTER_NOTES})
 
 
+# What a method run and its baseline must share to be paired (a speedup, an exact match).
+PAIRED_SETTINGS = ("target", "target_fingerprint", "task", "max_new_tokens", "sampling", "seed", "device", "dtype")
+
+
+def pairing_difference(method: dict, base: dict) -> str | None:
+    """The first setting a method run and its baseline were recorded with differently, as
+    one phrase, or None when they may be paired. A batched run pairs with a batched baseline."""
+    for key in (*PAIRED_SETTINGS, "batch_size"):
+        ours, theirs = method.get(key), base.get(key)
+        if key == "batch_size":
+            ours, theirs = ours or 1, theirs or 1
+        if ours != theirs:
+            return f"{key} {json.dumps(ours)} against the baseline's {json.dumps(theirs)}"
+    return None
+
+
 def prompt_hash(prompt: list[int]) -> str:
     """The short name a turn record gives its prompt's token ids (resume matches on it)."""
     return hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()[:12]
@@ -118,8 +134,10 @@ def pack(path: Path) -> int | None:
     """Store a finished record file gzip'd (`<name>.jsonl.gz`, byte-exact, deterministic, so a
     repack changes nothing) and remove the plain one; returns the bytes saved, or None when
     there was no plain file. Takes the file's lock first: a file a run is writing is refused,
-    and so is one whose last line is unfinished (`bench run` again repairs or finishes it)."""
+    and so is one whose last line is unfinished (`bench run` again repairs or finishes it), and
+    one whose packed copy exists and is not where the plain file began (never packed over)."""
     import gzip
+    import zlib
 
     path = Path(path)
     if not path.exists():
@@ -134,6 +152,14 @@ def pack(path: Path) -> int | None:
             raise BenchError(f"{path} is not a run record file (its first line is no header)")
         if parse_jsonl(data, growing=True).unfinished:
             raise BenchError(f"{path} ends in an unfinished line (a run cut by a crash); run it again before packing")
+        if packed_path(path).exists():  # a run unpacked it and grew it: the packed lines come first
+            try:
+                before = gzip.decompress(packed_path(path).read_bytes())
+            except (EOFError, zlib.error, gzip.BadGzipFile):
+                before = None
+            if before is None or not data.startswith(before):
+                raise BenchError(f"{path} and {packed_path(path).name} hold different lines (not one grown from the "
+                                 "other): neither is packed over the other; keep the right one and remove the other")
         packed = gzip.compress(data, compresslevel=9, mtime=0)
         if gzip.decompress(packed) != data:
             raise BenchError(f"internal: {path} did not read back from gzip")
@@ -316,6 +342,7 @@ OPTIONAL_SCHEMA = {
     "first_divergence": (lambda v: v is None or _int(v), "an integer or null"),
     "divergence_margin": (_number_or_none, "a number or null"),
     "imported_from": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "method": (lambda v: isinstance(v, str) and v != "", "a method name"),
     "new_tokens": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "wall_time": (_seconds, "seconds (a finite number >= 0)"),
     "paired_baseline": (_paired_baseline, "{ttft, decode_time, draft_time, verify_time, tokens, "
@@ -526,8 +553,11 @@ class RunFile:
             elif kind == "turn":
                 why = turn_problem(record)
                 key = None if why else (record["question_id"], record["turn"])
+                foreign = None if why else self._foreign(record)
                 if why:
                     self.problems.append(Problem("malformed turn", where, f"{why}; turn left out"))
+                elif foreign:
+                    self.problems.append(Problem("foreign turn", where, f"{foreign}; turn left out"))
                 elif key in self._done:
                     self.problems.append(Problem(
                         "duplicate", where, f"turn {key[1]} of question {key[0]} again (repeat {self.repeat}); "
@@ -538,6 +568,16 @@ class RunFile:
                     self.turns.append(record)
             else:
                 self.problems.append(Problem("corrupt", where, "neither a header nor a turn; line left out"))
+
+    def _foreign(self, record: dict) -> str | None:
+        """Why a well-formed turn line does not belong to this file: it names another method,
+        or it drafted in the baseline's file (AR verifies one token a round, drafting none)."""
+        named = record.get("method")
+        if named is not None and named != self.method:
+            return f"a {named} turn in {self.method}'s file"
+        if self.method == BASELINE and any(record.get("proposed_lengths") or []):
+            return "a turn that drafted tokens, in the AR baseline's file"
+        return None
 
     def _header_threads(self) -> object:
         """Torch threads of the invocation (the last header) a turn is recorded under."""
@@ -588,8 +628,8 @@ class RunFile:
         if self._wanted is None:
             raise BenchError(f"{self.path} was opened for reading only")
         self.claim()
-        record = {"type": "turn", **record}
-        why = turn_problem(record)
+        record = {"type": "turn", "method": self.method, **record}  # a line says whose it is
+        why = turn_problem(record) or self._foreign(record)
         if why:
             raise BenchError(f"{self.path}: refusing to record a malformed turn ({why})")
         key = (record["question_id"], record["turn"])

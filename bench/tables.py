@@ -34,6 +34,7 @@ from bench.records import (
     BASELINE,
     Problem,
     RunFile,
+    pairing_difference,
     parse_tag,
     pool_repeats,
     read_run,
@@ -131,6 +132,7 @@ def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, task
         raise BenchError(f"no run records under {results_dir}" + (f" for {where}" if where else ""))
     records = Records(runs, problems, profiles, manifests, superseded, tunings)
     _check_coverage(records)
+    _check_pairing(records)
     _check_contention(records)
     _check_baseline_age(records)
     return records
@@ -397,8 +399,25 @@ def _base_for(records: Records, run: RunFile) -> RunFile | None:
     the baseline it was interleaved with, though that baseline's newer revision is shown."""
     if run.method == BASELINE:
         return None
-    return next((r for r in records.runs + records.superseded if (r.target, r.task, r.tag, r.method) ==
+    base = next((r for r in records.runs + records.superseded if (r.target, r.task, r.tag, r.method) ==
                  (run.target, run.task, run.tag, BASELINE)), None)
+    if base is None or pairing_difference(run.settings, base.settings):  # never paired across settings
+        return None
+    return base
+
+
+def _check_pairing(records: Records) -> None:
+    """A method run whose baseline (same tag) was recorded with other settings is not paired:
+    named under Missing and partial, its speedup and exact match left blank."""
+    for run in records.runs:
+        if run.method == BASELINE:
+            continue
+        base = next((r for r in records.runs + records.superseded if (r.target, r.task, r.tag, r.method) ==
+                     (run.target, run.task, run.tag, BASELINE)), None)
+        why = pairing_difference(run.settings, base.settings) if base is not None else None
+        if why:
+            records.problems.append(Problem("unpaired", str(run.path), f"recorded with {why}: not compared "
+                                            "with that baseline (no speedup, no exact match)"))
 
 
 def summarize(records: Records, by: str = "task") -> pd.DataFrame:

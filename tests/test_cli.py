@@ -165,3 +165,38 @@ def test_pack_stores_finished_records_and_names_what_it_leaves(tmp_path):
     again = invoke("pack", "--results-dir", str(results))
     assert "packed 0 record files" in again.stdout and "3 were packed already" in again.stdout
     assert_bad_input(invoke("pack", str(tmp_path / "nowhere")), "no such file or folder")
+
+
+def test_pack_with_nothing_to_pack_says_so(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_bad_input(invoke("pack", str(tmp_path / "empty")), "no record files")
+
+
+def test_bench_check_names_each_damaged_file_and_fails(tmp_path):
+    """A clean shelf passes; a replaced token list under a true exact_match flag, a foreign
+    line in AR's file and a method recorded at other settings than its baseline are each named
+    with their file, and the command exits 1."""
+    from report_helpers import write_clean
+
+    results = tmp_path / "results"
+    write_clean(results)
+    clean = invoke("check", str(results))
+    assert clean.exit_code == 0, clean.output
+    assert "0 record file(s) with findings" in clean.stdout
+    mt = results / "tiny" / "mtbench"
+    pld = mt / "pld-t.jsonl"
+    rows = [json.loads(line) for line in pld.read_text().splitlines()]
+    rows[1]["tokens"] = [7] * len(rows[1]["tokens"])  # replaced, the flag still true
+    pld.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ar = mt / "ar-t.jsonl"
+    foreign = dict(rows[2], question_id="9", method="pld")
+    ar.write_text(ar.read_text() + json.dumps(foreign) + "\n")
+    gsm = results / "tiny" / "gsm8k" / "pld-t.jsonl"
+    rows = [json.loads(line) for line in gsm.read_text().splitlines()]
+    rows[0]["settings"]["max_new_tokens"] = 8
+    gsm.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = invoke("check", str(results))
+    assert found.exit_code == 1
+    assert f"{pld}: inconsistent" in found.stdout and f"{ar}: foreign" in found.stdout
+    assert f"{gsm}: unpaired" in found.stdout and "3 record file(s) with findings" in found.stdout
+    assert_bad_input(invoke("check", str(tmp_path / "nowhere")), "results folder not found")

@@ -44,7 +44,7 @@ def test_header_then_turns(path):
     provenance = header["provenance"]
     assert provenance["git_sha"] and "torch" in provenance["packages"]
     assert provenance["device"] == "cpu" and provenance["device_name"]
-    assert first == {"type": "turn", **turn("q1", 1, [1, 2])}
+    assert first == {"type": "turn", "method": "ar", **turn("q1", 1, [1, 2])}  # a line says whose it is
 
 
 def test_resume_reads_back_finished_turns(path):
@@ -395,3 +395,64 @@ def test_training_against_serving_flags_a_gap_over_ten_percent():
     assert list(frame["measured τ"]) == [2.0, 2.0]
     flagged = dict(zip(frame["method"], frame["flag"]))
     assert flagged["dflash"] and not flagged["eagle"]  # -33% flagged, -5% not
+
+
+def test_pack_never_writes_over_a_packed_copy_it_did_not_grow_from(path):
+    """X.jsonl (1 turn) beside X.jsonl.gz (2 turns): packing would lose a turn, so it is refused
+    and both stay; a plain file grown from its packed copy (a resumed run) packs over it."""
+    import gzip
+
+    from bench.records import pack, packed_path
+
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1, 2]))
+    records.add_turn(turn("q2", 1, [3]))
+    pack(path)
+    packed = packed_path(path).read_bytes()
+    short = RunFile(path.with_name("other.jsonl"), SETTINGS, "cpu")
+    short.add_turn(turn("q1", 1, [1, 2]))
+    path.write_bytes(path.with_name("other.jsonl").read_bytes())
+    with pytest.raises(BenchError, match="hold different lines"):
+        pack(path)
+    assert packed_path(path).read_bytes() == packed and path.exists()
+    path.write_bytes(gzip.decompress(packed) + b"")  # the same lines: a resumed run before it appended
+    grown = RunFile(path, SETTINGS, "cpu")
+    grown.add_turn(turn("q3", 1, [4]))
+    assert pack(path) is not None and not path.exists()
+    assert [t["question_id"] for t in read_records(path)[1]] == ["q1", "q2", "q3"]
+
+
+def test_a_turn_from_another_method_is_set_aside_and_decoded_again(path):
+    """A line naming another method, or a drafting turn in AR's file, is never counted and
+    never resumed past as done."""
+    records = RunFile(path, SETTINGS, "cpu")
+    records.add_turn(turn("q1", 1, [1, 2]))
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"type": "turn", "method": "pld", **turn("q2", 1, [3])}) + "\n")
+        drafted = {**turn("q3", 1, [4, 5]), "proposed_lengths": [3], "accept_lengths": [1]}
+        handle.write(json.dumps({"type": "turn", **drafted}) + "\n")
+    run = RunFile(path)
+    assert run.keys == {("q1", 1)}
+    assert sorted(p.detail.split(";")[0] for p in run.problems if p.kind == "foreign turn") == [
+        "a pld turn in ar's file", "a turn that drafted tokens, in the AR baseline's file"]
+    assert RunFile(path, SETTINGS, "cpu").done("q2", 1) is None
+
+
+def test_exact_match_is_derived_from_the_token_ids_not_the_stored_flag():
+    from bench import metrics
+
+    base = [{**turn("q1", 1, [1, 2]), "repeat": 1}, {**turn("q2", 1, [3]), "repeat": 1}]
+    ours = [{**turn("q1", 1, [1, 2]), "repeat": 1, "exact_match": True},
+            {**turn("q2", 1, [9]), "repeat": 1, "exact_match": True}]  # tokens replaced, flag left true
+    row = metrics.summarize(ours, base)
+    assert row["match_rate"] == 0.5 and row["mismatches"] == 1 and row["flag_disagrees"] == 1
+
+
+def test_a_method_is_paired_only_with_a_baseline_of_the_same_settings():
+    from bench.records import pairing_difference
+
+    method = dict(SETTINGS, method="pld", dtype="bfloat16")
+    assert pairing_difference(method, dict(SETTINGS, dtype="bfloat16")) is None
+    assert "max_new_tokens 16" in pairing_difference(dict(method, max_new_tokens=16), dict(SETTINGS, dtype="bfloat16"))
+    assert "dtype" in pairing_difference(method, dict(SETTINGS, dtype="float32"))
+    assert "batch_size" in pairing_difference(dict(method, batch_size=4), dict(SETTINGS, dtype="bfloat16"))
