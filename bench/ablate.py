@@ -33,6 +33,7 @@ class Arm:
     method: str
     options: dict[str, str]
     what: str
+    default: bool = True  # run when no --arm is named
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,13 @@ class Study:
     shared: dict[str, str]  # every arm's data options
     method_options: dict[str, dict[str, str]]  # each method's reference recipe
     arms: dict[str, Arm]
-    loop: dict[str, str] = field(default_factory=lambda: {"--batch-size": "4", "--lr": "6e-4",
+    # One conversation a step: a 2-core CPU trains an arm of 1,000 steps in about half an hour
+    # (four, the shipped runs' batch, take ~5x as long); every arm the same.
+    loop: dict[str, str] = field(default_factory=lambda: {"--batch-size": "1", "--lr": "3e-4",
                                                           "--warmup-steps": "50"})
+
+    def default_arms(self) -> list[str]:
+        return [name for name, arm in self.arms.items() if arm.default]
 
 
 BLOCK = {"block_size": "16", "num_layers": "3", "anchors": "64", "decay": "7"}
@@ -50,19 +56,25 @@ STUDIES: dict[str, Study] = {
     "dflash": Study(
         shared={"self_distill": "true", "feature_tokens": "1000000"},
         method_options={"dflash": BLOCK, "eagle": {}},
+        # In the order they are trained (`--jobs` at a time): the longest, vocab-512, first.
         arms={
+            "vocab-512": Arm("dflash", {"anchors": "512", "vocab_coverage": "0.99"},
+                             "512 anchors (the references') over a draft vocabulary covering 99% of reply tokens"),
             "reference": Arm("dflash", {}, "the shipped recipe: z-lab's conventions, 64 anchors, hard labels, "
                                            "the target's mask-token row, final norm copied from the target"),
+            "init": Arm("dflash", {"norm_init": "ones", "learned_mask": "true"},
+                        "the final norm starts at ones and the mask input is learned (from the target's row)"),
             "tap-norm": Arm("dflash", {"tap_norm": "true"}, "an RMSNorm per tap before the fc"),
-            "norm-ones": Arm("dflash", {"norm_init": "ones"}, "the final norm starts at ones (the references')"),
-            "learned-mask": Arm("dflash", {"learned_mask": "true"}, "the mask input learned, from the target's row"),
             "soft-labels": Arm("dflash", {"labels": "target"}, "KL to the target's distribution (speculators)"),
-            "anchors-512": Arm("dflash", {"anchors": "512"}, "512 anchors per conversation (the references')"),
-            "vocab-512": Arm("dflash", {"anchors": "512", "vocab_coverage": "0.95"},
-                             "512 anchors over a draft vocabulary covering 95% of reply tokens"),
-            "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
-                                        "labels": "target"}, "tap norm, norm at ones, learned mask, soft labels"),
+            "vocab-64": Arm("dflash", {"vocab_coverage": "0.99"}, "the coverage vocabulary alone (vocab-512's "
+                                                                  "other change)"),
             "eagle": Arm("eagle", {}, "EAGLE-1 on the same data and steps: the first draft's yardstick"),
+            "norm-ones": Arm("dflash", {"norm_init": "ones"}, "the final norm starts at ones", default=False),
+            "learned-mask": Arm("dflash", {"learned_mask": "true"}, "the mask input learned", default=False),
+            "anchors-512": Arm("dflash", {"anchors": "512"}, "512 anchors, the full vocabulary", default=False),
+            "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
+                                        "labels": "target"}, "tap norm, init fixes and soft labels together",
+                             default=False),
         }),
 }
 
@@ -71,7 +83,8 @@ def arm_command(study: Study, name: str, steps: int, out: Path) -> list[str]:
     """The `bench train` arguments of one arm (after `bench`)."""
     arm = study.arms[name]
     options = {**study.shared, **study.method_options.get(arm.method, {}), **arm.options}
-    args = ["train", "--method", arm.method, "--max-steps", str(steps), "--threads", "1", "--out", str(out / name)]
+    args = ["train", "--method", arm.method, "--max-steps", str(steps), "--threads", "1", "--out", str(out / name),
+            "--export-minutes", "60"]  # the held-out evaluation costs minutes: at the end, and hourly
     for flag, value in study.loop.items():
         args += [flag, value]
     for key, value in options.items():

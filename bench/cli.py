@@ -105,6 +105,8 @@ def run(method, task, target, limit, per_category, categories, max_new_tokens, t
 
         if not get_method(method).trained:
             raise BenchError(f"method '{method}' takes no drafter (--drafter is for trained methods)")
+        if not os.path.isdir(drafter):  # before the model loads
+            raise BenchError(f"--drafter {drafter} is not a folder (a trained drafter's folder, or a published one)")
     summary = run_task(settings, repeats)
     click.echo(format_summary(summary))
     row = summary[method]
@@ -171,6 +173,7 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
             is not click.core.ParameterSource.DEFAULT:
         raise BenchError("give --epochs or --max-steps, not both (--epochs sets the step count)")
     _under_jemalloc()
+    import math
     from pathlib import Path
 
     from bench.core.drafters import user_dir
@@ -193,6 +196,12 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
         raise BenchError(f"--keep-at takes token counts like 2e5,1e6, got '{keep_at}'") from None
     if any(k <= 0 for k in keep):
         raise BenchError(f"--keep-at token counts must be positive, got '{keep_at}'")
+    if not math.isfinite(lr):
+        raise BenchError(f"--lr must be a finite positive number, not {lr}")
+    if epochs is not None and not math.isfinite(epochs):
+        raise BenchError(f"--epochs must be a finite positive number, not {epochs}")
+    if out_dir and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise BenchError(f"--out {out_dir} is a file, not a training folder")
     if threads:
         import torch
 
@@ -340,6 +349,11 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
 
         click.echo(distill_status())
         return
+    import math
+    from pathlib import Path
+
+    from bench.run import check_device
+
     span = None
     if shards:
         try:
@@ -347,6 +361,13 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
             span = range(int(first or 0), int(last))
         except ValueError:
             raise BenchError(f"--shards takes a:b (shard numbers), not '{shards}'") from None
+        if not span or span.start < 0:
+            raise BenchError(f"--shards {shards} names no shard (a:b with 0 <= a < b)")
+    if tokens is not None and (not math.isfinite(tokens) or tokens <= 0):
+        raise BenchError(f"--tokens must be a positive number of reply tokens, not {tokens:g}")
+    if root is not None and Path(root).exists() and not Path(root).is_dir():
+        raise BenchError(f"--root {root} is a file, not a folder")
+    check_device(device)
     if max_reply >= max_context:
         raise BenchError(f"--max-reply ({max_reply}) must be below --max-context ({max_context})")
     resolve_dtype(dtype, device)
@@ -457,6 +478,11 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
     if not candidates or candidates[0] < 1:
         raise BenchError(f"--budgets takes integers >= 1, not '{budgets}'")
     names = [get_method(m).name for m in methods] or grid_methods()
+    from bench.registry import options_class
+
+    untunable = [m for m in names if not hasattr(options_class(m), "budget_knobs")]
+    if untunable:
+        raise BenchError(f"{untunable[0]} has no draft budget to tune (it verifies no draft tokens)")
     check_device(device)
     device = device or default_device()
     loaded = load_target(target, device, resolve_dtype(dtype, device))
@@ -564,7 +590,8 @@ def ship(method, drafter, target, dtype) -> None:
 @click.option("--results-dir", default="results", show_default=True, help="specbench: folder of run records")
 @click.option("--baseline-out", default=None,
               help="specbench: the AR baseline's answer file (default: <out stem>-baseline.jsonl beside --out)")
-def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_dir, baseline_out) -> None:
+@click.option("--force", is_flag=True, help="specbench: replace answer files that exist")
+def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_dir, baseline_out, force) -> None:
     """Write a drafter in a published layout that vLLM / SGLang / the reference code load, or
     (--format specbench) a run's answers and its AR baseline's as Spec-Bench answer files."""
     import importlib
@@ -574,7 +601,7 @@ def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_d
     from bench.registry import get_method
 
     if fmt == "specbench" or run_file or task:
-        return _export_answers(fmt, run_file, target, task, method, tag, results_dir, out_dir, baseline_out)
+        return _export_answers(fmt, run_file, target, task, method, tag, results_dir, out_dir, baseline_out, force)
     if method is None:
         raise BenchError("--method is needed to export a drafter")
     module = importlib.import_module(get_method(method).module)
@@ -589,7 +616,7 @@ def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_d
     click.echo(f"exported {method} ({fmt} layout): {written}")
 
 
-def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, baseline_out) -> None:
+def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, baseline_out, force) -> None:
     from pathlib import Path
 
     from bench.records import records_path
@@ -602,7 +629,7 @@ def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, 
         if not (task and method):
             raise BenchError("give the run: --run FILE, or --task and --method (with --target, --tag)")
         run_file = records_path(Path(results_dir), target or DEFAULT_TARGET, task, method, tag)
-    result = export_run(Path(run_file), Path(out), Path(baseline_out) if baseline_out else None)
+    result = export_run(Path(run_file), Path(out), Path(baseline_out) if baseline_out else None, force)
     for problem in result.problems:
         click.echo(f"{problem.kind}: {problem.where}: {problem.detail}", err=True)
     click.echo(f"exported {result.questions} questions ({result.turns} turns; {result.left_out} turns without "
@@ -616,7 +643,7 @@ def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, 
 
 @main.command()
 @click.option("--study", default="dflash", show_default=True, help="which study's arms (bench/ablate.py: STUDIES)")
-@click.option("--arm", "arms", multiple=True, help="only this arm (repeatable; default every arm of the study)")
+@click.option("--arm", "arms", multiple=True, help="only this arm (repeatable; default the study's default arms)")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="steps per arm")
 @click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
               help="arms trained side by side (one thread each)")
@@ -635,7 +662,7 @@ def ablate(study, arms, steps, jobs, out_dir, results_dir, collect_only) -> None
 
     if study not in STUDIES:
         raise BenchError(f"unknown study '{study}' (known: {', '.join(STUDIES)})")
-    names = list(arms) or list(STUDIES[study].arms)
+    names = list(arms) or STUDIES[study].default_arms()
     unknown = [a for a in names if a not in STUDIES[study].arms]
     if unknown:
         raise BenchError(f"unknown arm '{unknown[0]}' of study {study} (arms: {', '.join(STUDIES[study].arms)})")
@@ -727,9 +754,11 @@ def import_cmd(source, fmt, target, task, method, tag, results_dir) -> None:
     the file does not say (token ids, TTFT, draft and verify times) is recorded as null."""
     from pathlib import Path
 
+    from bench.registry import get_method
     from bench.specbench import check_format, import_answers
 
     check_format(fmt)
+    get_method(method)  # records of a method the harness does not know would be read as nothing
     result = import_answers(Path(source), Path(results_dir), target, task, method, tag)
     notes = []
     if result.unsplit:

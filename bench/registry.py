@@ -58,6 +58,11 @@ def get_method(name: str) -> MethodInfo:
     return METHODS[name]
 
 
+def options_class(name: str) -> type:
+    """The method's Options dataclass (loads no model)."""
+    return importlib.import_module(get_method(name).module).Options
+
+
 def resolve_options(name: str, options=None, budget: int | None = None):
     """The method's typed Options (its module's frozen dataclass) from `--option` pairs (or
     an Options already) and `--budget`; bad input is one BenchError line. Loads no model, so

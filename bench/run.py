@@ -270,6 +270,8 @@ def check_device(device: str | None) -> None:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
         raise BenchError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise BenchError(f"unsupported device '{device}' (use cpu, cuda or cuda:N)")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise BenchError(f"device '{device}' requested but CUDA is not available here (use --device cpu)")

@@ -156,7 +156,10 @@ def _write_whole(files: dict[Path, str]) -> None:
         raise BenchError(f"cannot write {where}: {exc.strerror or exc}") from None
     finally:
         for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
+            try:  # what is left to clean up never masks the error above
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -242,7 +245,7 @@ def _read_run(path: Path) -> RunFile:
     return run
 
 
-def export_run(path: Path, out: Path, baseline_out: Path | None = None) -> Export:
+def export_run(path: Path, out: Path, baseline_out: Path | None = None, force: bool = False) -> Export:
     """Write a run's answers (and, for a method, its AR baseline's beside: `baseline_out`,
     default `<out stem>-baseline.jsonl`) as Spec-Bench answer files. Only the turns both runs
     finished are written, so speed.py on the pair averages over the same questions as our
@@ -268,6 +271,9 @@ def export_run(path: Path, out: Path, baseline_out: Path | None = None) -> Expor
     written = sum(len(turns) for turns in questions.values())
     if not written:
         raise BenchError(f"{run.path}: no turn that its baseline also finished: nothing to export")
+    existing = [str(p) for p in files if p.exists()]
+    if existing and not force:
+        raise BenchError(f"{', '.join(existing)} exists: give --force to replace it")
     _write_whole(files)
     speed = None
     if base is not None:  # what speed.py makes of the files just written
@@ -298,6 +304,9 @@ def _seconds(value: object) -> bool:
                                            and math.isfinite(v) and v >= 0 for v in value)
 
 
+MAX_TURN_TOKENS = 1_000_000  # beyond any model's context: a count past it is a damaged file
+
+
 def _answer_problem(row: dict) -> str | None:
     """Why `row` is not a Spec-Bench answer that speed.py could read, or None."""
     qid = row.get("question_id")
@@ -318,6 +327,11 @@ def _answer_problem(row: dict) -> str | None:
             return f"choices[0] has no {key}"
         if not ok(choice[key]) or len(choice[key]) != len(turns):
             return f"choices[0].{key} is not {len(turns)} {what}, one per turn"
+    for tokens, seconds in zip(choice["new_tokens"], choice["wall_time"]):
+        if tokens > MAX_TURN_TOKENS:
+            return f"choices[0].new_tokens holds {tokens}, more than any turn decodes ({MAX_TURN_TOKENS})"
+        if tokens and not seconds > 0:
+            return f"choices[0].wall_time is {seconds} for a turn of {tokens} tokens (a time must be > 0)"
     if "accept_lengths" in choice and not _ints(choice["accept_lengths"], 1):
         return "choices[0].accept_lengths is not a list of integers >= 1 (tokens per step)"
     for key in ("decoding_steps", "idxs"):

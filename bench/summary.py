@@ -7,6 +7,7 @@ record files, so figures quoted anywhere come from kept records.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -127,7 +128,18 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+class _Command(click.Command):
+    """Bad input: one line on stderr and exit 2, as every `bench` command."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BenchError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.command(cls=_Command)
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
@@ -143,15 +155,12 @@ def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str,
         rows += [dict(row, tag=tag) for row in summary_rows(Path(results_dir), target, tag)
                  if (not tasks or row["task"] in tasks) and (not methods or row["method"] in methods)]
     if not rows:
-        raise click.ClickException(f"no records for target '{target}' with tag(s) {', '.join(map(str, tags)) or '-'}"
-                                   f" under {results_dir}")
+        raise BenchError(f"no records for target '{target}' with tag(s) {', '.join(map(str, tags)) or '-'}"
+                         f" under {results_dir}")
     table = format_table(rows, tags=len(tags) > 1)
     click.echo(table)
     if block:
-        try:
-            update_readme(Path(readme_path), {block: table})
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
+        update_readme(Path(readme_path), {block: table})
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class Options(DraftOptions):
     def draft_budget(self) -> int | None:
         return self.total_token - 1
 
+    def most_draft_tokens(self) -> int:
+        """The nodes its levels generate at most: top_k, then top_k^2 at each deeper level."""
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
 
 def dynamic_tree(options: Options) -> TreeSettings:
     return TreeSettings(mode="dynamic", total_token=options.total_token, depth=options.depth, top_k=options.top_k)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.core.errors import BenchError
-from bench.core.jsonl import JsonLines, parse_jsonl, read_jsonl
+from bench.core.jsonl import JsonLines, parse_jsonl
 
 
 @dataclass
@@ -57,10 +57,10 @@ def _numbered_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) of each line of a question file (bench.core.jsonl); a line it
     leaves out is bad input here: one line naming the file and line."""
     try:
-        lines = read_jsonl(path)
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise BenchError(f"cannot read {path}: {exc.strerror}") from None
-    return _complete(lines, path)
+    return _complete(parse_jsonl(raw.removeprefix(b"\xef\xbb\xbf")), path)  # a UTF-8 BOM is text, not data
 
 
 def _complete(lines: JsonLines, source: Path) -> list[tuple[int, dict]]:
@@ -105,9 +105,11 @@ def _mtbench_format(rows: list[tuple[int, dict]], source: Path) -> list[Question
     questions = []
     for number, row in rows:
         turns = row.get("turns")
-        if "question_id" not in row or not isinstance(turns, list) or not turns \
-                or not all(isinstance(t, str) for t in turns):
-            raise BenchError(f"{source}:{number}: needs 'question_id' and a non-empty list of string 'turns'")
+        qid = row.get("question_id")
+        if isinstance(qid, bool) or not isinstance(qid, int | str) or str(qid).strip() == "" \
+                or not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise BenchError(f"{source}:{number}: needs a 'question_id' (a non-empty string or an integer) and a "
+                             "non-empty list of string 'turns'")
         reference = {"reference": row["reference"]} if "reference" in row else {}
         questions.append(Question(str(row["question_id"]), str(row.get("category", "default")),
                                   list(turns), reference))

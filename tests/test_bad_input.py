@@ -425,7 +425,117 @@ def _export_kept(tmp, result):
     assert [p.name for p in (tmp / "out").iterdir()] == ["keep.txt"]
 
 
+def _null_question(tmp):
+    path = tmp / "null.jsonl"
+    path.write_text(json.dumps({"question_id": None, "turns": ["Say hi."]}) + "\n")
+    return path
+
+
+def _export_over(tmp):
+    results = clean_with(tmp)
+    (tmp / "out.jsonl").write_text("mine")
+    return ["export", "--format", "specbench", "--run", str(results / TARGET / "mtbench" / "pld-t.jsonl"),
+            "--out", str(tmp / "out.jsonl")]
+
+
+def _export_over_kept(tmp, result):
+    assert (tmp / "out.jsonl").read_text() == "mine" and not (tmp / "out-baseline.jsonl").exists()
+
+
+def _answers(tmp, question_id: object = 1, **choice):
+    """A one-question Spec-Bench answer file, its choice's fields overridden by `choice`."""
+    row = {"question_id": question_id, "category": "chat", "model_id": "m",
+           "choices": [{"index": 0, "turns": ["hi"], "new_tokens": [4], "wall_time": [0.5], **choice}]}
+    path = tmp / "answers.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    return ["import", str(path), "--format", "specbench", "--target", TARGET, "--task", "mtbench", "--method", "pld",
+            "--results-dir", str(tmp / "results")]
+
+
+def _no_import(tmp, result):
+    assert not (tmp / "results").exists()
+
+
+def _train(*extra: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["train", "--method", "eagle", "--out", str(tmp / "run"), *extra]
+
+
+def _distill(*extra: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["distill", "--root", str(tmp / "distilled"), *extra]
+
+
+def _a_file(tmp):
+    (tmp / "afile").write_text("x")
+    return tmp / "afile"
+
+
+def _target_folder(kind: str) -> Callable[[Path], list[str]]:
+    """A --target folder: a malformed config.json, a config alone, or another model's weights."""
+    def prepare(tmp):
+        folder = tmp / "model"
+        folder.mkdir()
+        default = bench.core.target.cache_dir() / "targets" / "smollm2-135m-instruct"
+        if kind == "malformed":
+            (folder / "config.json").write_text("{not json")
+        elif kind == "config only":
+            shutil.copy(default / "config.json", folder / "config.json")
+        else:  # the default target's config and tokenizer over weights of another shape
+            for item in default.iterdir():
+                if item.suffix != ".safetensors":
+                    shutil.copy(item, folder / item.name)
+            import torch
+            from safetensors.torch import save_file
+
+            save_file({"model.embed_tokens.weight": torch.zeros(10, 8)}, str(folder / "model.safetensors"))
+        return ["run", "--method", "ar", "--task", str(tiny_task(tmp)), "--target", str(folder),
+                "--results-dir", str(tmp / "results"), *QUICK]
+    return prepare
+
+
 CASES = {
+    # 0. records verified, not trusted: option ranges before anything loads, one line each
+    "0 train: --lr nan": Case("bench", _train("--lr", "nan"), 2, "--lr must be a finite"),
+    "0 train: --epochs inf": Case("bench", _train("--epochs", "inf"), 2, "--epochs must be a finite"),
+    "0 train: --out a file": Case("bench", lambda tmp: ["train", "--method", "eagle", "--out", str(_a_file(tmp))], 2,
+                                  "is a file, not a training folder"),
+    "0 distill: --shards 5:2": Case("bench", _distill("--shards", "5:2"), 2, "names no shard"),
+    "0 distill: --tokens -5": Case("bench", _distill("--tokens", "-5"), 2, "--tokens must be a positive"),
+    "0 distill: --tokens nan": Case("bench", _distill("--tokens", "nan"), 2, "--tokens must be a positive"),
+    "0 distill: --root a file": Case("bench", lambda tmp: ["distill", "--root", str(_a_file(tmp))], 2,
+                                     "is a file, not a folder"),
+    "0 distill: --device tpu": Case("bench", _distill("--device", "tpu"), 2, "device 'tpu'"),
+    "0 import: --method nosuchmethod": Case(
+        "bench", lambda tmp: [*_answers(tmp)[:-3], "nosuchmethod", *_answers(tmp)[-2:]], 2,
+        "unknown method 'nosuchmethod'", _no_import),
+    "0 import: wall_time 0": Case("bench", lambda tmp: _answers(tmp, wall_time=[0.0]), 2, "a time must be > 0",
+                                  _no_import),
+    "0 import: new_tokens 10^12": Case("bench", lambda tmp: _answers(tmp, new_tokens=[10 ** 12]), 2,
+                                       "more than any turn decodes", _no_import),
+    "0 import: question_id null": Case("bench", lambda tmp: _answers(tmp, question_id=None), 2, "no question_id",
+                                       _no_import),
+    "0 run: question_id null in the task": Case(
+        "bench", lambda tmp: run_args(_null_question(tmp), tmp), 2, "needs a 'question_id'", _no_records),
+    "0 run: --budget 10^9 for pld": Case(
+        "bench", lambda tmp: [*run_args(tiny_task(tmp), tmp)[:2], "pld", *run_args(tiny_task(tmp), tmp)[3:],
+                              "--budget", "1000000000"], 2, "at most 1024", _no_records),
+    "0 run: --budget 20000 for eagle2": Case(
+        "bench", lambda tmp: [*run_args(tiny_task(tmp), tmp)[:2], "eagle2", *run_args(tiny_task(tmp), tmp)[3:],
+                              "--budget", "20000"], 2, "at most 116", _no_records),
+    "0 run: --drafter that is no folder": Case(
+        "bench", lambda tmp: [*run_args(tiny_task(tmp), tmp)[:2], "eagle", *run_args(tiny_task(tmp), tmp)[3:],
+                              "--drafter", str(tmp / "nowhere")], 2, "is not a folder", _no_records),
+    "0 tune: --method ar": Case("bench", lambda tmp: ["tune", "--method", "ar", "--results-dir", str(tmp)], 2,
+                                "ar has no draft budget"),
+    "0 summary: no records exits 2": Case("summary", lambda tmp: (clean_with(tmp), [
+        "--results-dir", str(tmp / "results"), "--target", TARGET, "--tag", "nosuchtag"])[1], 2, "no records for"),
+    "0 export specbench: the answer file exists": Case("bench", lambda tmp: _export_over(tmp), 2,
+                                                       "give --force to replace it", _export_over_kept),
+    "0 run: --target with a malformed config.json": Case("bench", _target_folder("malformed"), 2,
+                                                         "unreadable config.json", model=True),
+    "0 run: --target with a config alone": Case("bench", _target_folder("config only"), 2, "has no tokenizer",
+                                                model=True),
+    "0 run: --target with another model's weights": Case("bench", _target_folder("other weights"), 2,
+                                                         "the weights are another model's", model=True),
     # 1. resume checks the prompt; custom tasks are keyed by their content
     "1 resume: turn recorded for another prompt": Case(
         "bench", _prompt_changed, 2, "was recorded for another prompt",

@@ -210,6 +210,11 @@ def option_pairs(pairs: tuple[str, ...]) -> dict:
     return options
 
 
+# No method verifies more draft tokens a round than this (a target pass over more rows than
+# most targets' context); an Options class with a tighter ceiling says so in most_draft_tokens().
+MAX_BUDGET = 1024
+
+
 def parse_options(cls: type, raw: Any, method: str, budget: int | None = None) -> Any:
     """An instance of the frozen dataclass `cls` from `raw` ({key: value}, or already an
     instance), with `--budget` mapped through `cls.budget_knobs`. Bad input: one BenchError line."""
@@ -247,9 +252,15 @@ def parse_options(cls: type, raw: Any, method: str, budget: int | None = None) -
             if key not in raw:
                 values[key] = one(key, value, f" (from --budget {budget})")
     try:
-        return cls(**values)
+        instance = cls(**values)
     except BenchError as exc:  # a check across fields (__post_init__)
         raise BenchError(f"{exc} ({valid})") from None
+    if budget is not None:
+        most = instance.most_draft_tokens() if hasattr(instance, "most_draft_tokens") else MAX_BUDGET
+        if budget > most:
+            raise BenchError(f"{method}: --budget {budget} is more draft tokens than it verifies in a round with "
+                             f"these options (at most {most})")
+    return instance
 
 
 def changed(options: Any) -> dict[str, Any]:

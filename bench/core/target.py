@@ -190,6 +190,33 @@ def resolve_target(spec: str | None) -> tuple[str, Path]:
     return spec.replace("/", "--"), folder
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_weights(config, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """The weights are the config's model: every tensor the engine reads, at its shape."""
+    try:
+        hidden, layers, vocab = int(config.hidden_size), int(config.num_hidden_layers), int(config.vocab_size)
+    except (AttributeError, TypeError, ValueError):
+        raise BenchError(f"target folder {folder}: config.json lacks hidden_size, num_hidden_layers or "
+                         "vocab_size (not a decoder the engine runs)") from None
+    wanted = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        wanted[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        for name in ("q", "k", "v", "o"):
+            wanted[f"model.layers.{i}.self_attn.{name}_proj.weight"] = None
+        for name in ("gate", "up", "down"):
+            wanted[f"model.layers.{i}.mlp.{name}_proj.weight"] = None
+    for name, shape in wanted.items():
+        tensor = state.get(name)
+        if tensor is None:
+            raise BenchError(f"target folder {folder}: the weights lack {name} (another model's weights, or a "
+                             "model the engine does not run)")
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise BenchError(f"target folder {folder}: {name} is {tuple(tensor.shape)}, config.json says {shape} "
+                             "(the weights are another model's)")
+
+
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -214,9 +241,19 @@ def load_target(spec: str | None = None, device: str | None = None, dtype: str =
     from bench.core.engine import Engine
 
     name, folder = resolve_target(spec)
-    config = AutoConfig.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # malformed JSON, an unknown model type: one line, not a traceback
+        raise BenchError(f"target folder {folder}: unreadable config.json ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise BenchError(f"target folder {folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise BenchError(f"target folder {folder}: unreadable tokenizer ({type(exc).__name__})") from None
     state = load_state_dict(folder)
+    check_weights(config, state, folder)
     engine = Engine(config, state, device=device or default_device(), dtype=parse_dtype(dtype))
     if engine.device.type == "cuda" and not engine.invariant:
         from bench.core.static import enable_static
