@@ -147,7 +147,7 @@ paper-draft: $(STAMP)
 	$(PAPER_DRAFT) --method eagle3 --option total_token=60 --option depth=7 --option top_k=10
 	$(BIN)/python -m bench.summary --tag paper-draft --readme paper-draft --readme-path results/README.md
 
-# MTP's parallel variant at scale (issue 14, "MTP (both variants)"): trained by `make train-at-scale
+# MTP's parallel variant at scale: trained by `make train-at-scale
 # SCALE_TRAIN=mtp-parallel` into SCALE_OUT and not shipped (its three heads, a decoder layer each, would
 # take the shipped drafters past 100 MB), run on the grid's suites beside AR (tag mtp-parallel); the
 # report checks the MTP goal on it too. Where that training folder holds no drafter, or only an export
@@ -226,7 +226,7 @@ oracle-sweep: $(STAMP)
 	  done; done
 	$(BIN)/bench report --task humaneval --tag oracle-real $(foreach a,$(ORACLE_ACCEPTS),--tag oracle$(a)) --out plots/oracle
 
-# Issue 14: every trained drafter at its paper's structure on the distilled data (methods/distilled,
+# Every trained drafter at its paper's structure on the distilled data (methods/distilled,
 # >= 5M reply tokens: `bench distill --status`), 2 epochs, one method at a time, each resumable
 # (`make train-at-scale` again continues), then shipped over the old files (`bench ship`, which
 # checks the 100 MB budget: EAGLE-3 projects with the target's lm_head rows, DSpark's Markov head

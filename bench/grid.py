@@ -19,7 +19,7 @@ every question of every suite, 256 new tokens, tag `full`. `--repeats N`: N whol
 the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every speedup also
 has its spread over passes; already recorded passes are skipped like any finished cell.
 `--remeasure-contended`: a method's records with turns that shared the CPU with another job
-(bench.report.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
+(bench.tables.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
 reports) and the cell runs again. `--remeasure-stale`: the same for records that began long
 before or after the tag's shared AR baseline (`<file>.stale[.N]`); the cell runs again and,
 since that baseline is recorded, re-times each baseline turn right before its own (bench.run).

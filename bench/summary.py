@@ -57,7 +57,7 @@ def series_files(task_dir: Path, tag: str | None) -> dict[str, dict[int, list[tu
 
 
 def _contended(turns: list[dict]) -> int:
-    """Turns that shared the CPU, each pass judged on its own (bench.report.contended_turns)."""
+    """Turns that shared the CPU, each pass judged on its own (bench.tables.contended_turns)."""
     return sum(len(contended_turns([t for t in turns if t["repeat"] == repeat]))
                for repeat in {t["repeat"] for t in turns})
 

@@ -1,6 +1,6 @@
 """Drafter step costs on a GPU, with random weights at published target shapes.
 
-For each shape: a random-weight target (bench.profile.random_engine) and random-weight
+For each shape: a random-weight target (bench.core.costs.random_engine) and random-weight
 drafters built for it (DFlash/DSpark with the paper's 5 layers and 5 taps, EAGLE-3 with
 a 32k draft vocabulary). Each decodes the same prompts greedily through the shared loop;
 the table gives draft and verify milliseconds per round and whether the tokens equal

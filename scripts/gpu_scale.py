@@ -1,4 +1,4 @@
-"""Drafters trained at scale on a lent GPU (issue 14): `make train-at-scale` runs there, and
+"""Drafters trained at scale on a lent GPU: `make train-at-scale` runs there, and
 what it made comes back in parts.
 
 A call carries at most 64 MiB and brings back at most 8 files of 16 MiB (64 MiB in all), so

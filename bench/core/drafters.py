@@ -255,7 +255,7 @@ def describe_stretches(stretches: list[dict]) -> str:
     return text
 
 
-SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together (issue 14: <= 100 MB)
+SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project together
 # A shipped per-step log keeps about this many step lines (one more when the last is off the grid),
 # evenly spaced, the first and the last among them (an at-scale run logs thousands: ~0.2 KB each,
 # gzipped); the full log stays in the training folder, and the manifest says how it was thinned.

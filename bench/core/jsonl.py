@@ -3,7 +3,7 @@ questions, run records).
 
 One rule: a line that is not UTF-8, not JSON, or not a JSON object is left out and named
 (line number and why); every other line is kept, and blank lines are ignored. What a caller
-does with the lines left out is its policy: a question file is bad input (bench.tasks refuses
+does with the lines left out is its policy: a question file is bad input (tasks refuses
 it), a record file is read around them and reports them (bench.records). Lines end at b"\\n"
 only, so a U+2028 inside a JSON string never splits a record.
 """

@@ -2,7 +2,7 @@
 
 Input: a Draft and the target's logits at every verified position (row 0 = the root,
 row i+1 = draft node i). Output: the accepted root-to-node path and the next token
-(correction or bonus). Every method goes through `verify`; the rules (design doc §11b):
+(correction or bonus). Every method goes through `verify`; the rules:
 
 - greedy target, any draft (q ignored): walk while a child carries the argmax.
 - sampling, chain (q given, or None = one-hot drafts): Leviathan's rule, accept node i
@@ -24,7 +24,7 @@ shared q row; the rule then removes each rejected token from q as well.
 Randomness: `verify` draws n+1 uniforms from the caller's generator up front: uniform c
 decides node c's acceptance test and uniform n the emitted token (the deterministic-tree
 rule draws at logits row r with uniform r). Every rule consumes them by index, so the
-torch reference here and the Triton kernels (bench/verify_triton.py, used for greedy and
+torch reference here and the Triton kernels (bench/core/verify_triton.py, used for greedy and
 chains when the logits are on CUDA) agree for the same seed. The greedy kernel does not
 reproduce torch.argmax on NaN logits.
 """

@@ -98,7 +98,7 @@ def init_model(target: Target, settings: MtpSettings) -> nn.Module:
     Why the last layer for the sequential module: its output is read by the final norm and
     lm_head, so the copied layer already writes a "next token" readout; earlier layers
     expect a mid-network residual stream (for the SpS draft, a copied late layer fed
-    embeddings started far from the target, see bench/training/draft_lm.init_layers)."""
+    embeddings started far from the target, see bench/core/training/draft_lm.init_layers)."""
     engine = target.engine
     shape = LayerShape.of(engine)
     model = new_model(settings.variant, shape, settings.heads, settings.fuse_order)
