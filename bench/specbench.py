@@ -47,7 +47,16 @@ from pathlib import Path
 from bench import metrics
 from bench.core.errors import BenchError
 from bench.core.jsonl import parse_jsonl
-from bench.records import BASELINE, RunFile, check_tag, has_records, records_path, split_repeat, turn_problem
+from bench.records import (
+    BASELINE,
+    RunFile,
+    check_tag,
+    has_records,
+    pairing_difference,
+    records_path,
+    split_repeat,
+    turn_problem,
+)
 
 FORMAT = "specbench"
 FORMATS = (FORMAT,)  # the answer-file formats `bench export` / `bench import` know
@@ -261,6 +270,10 @@ def export_run(path: Path, out: Path, baseline_out: Path | None = None, force: b
             raise BenchError(f"no baseline {base_file.name} beside {run.path}: Spec-Bench's speedup needs the "
                              "baseline's answers")
         base = _read_run(base_file)
+        why = pairing_difference(run.settings, base.settings)
+        if why and "imported_from" not in run.settings:
+            raise BenchError(f"{run.path} was recorded with {why}: Spec-Bench's speedup over it would compare "
+                             "other settings")
         questions = _questions(run.turns, run.keys & base.keys)
         base_questions = {q: [base.done(q, t["turn"]) for t in turns] for q, turns in questions.items()}
         baseline_out = Path(baseline_out) if baseline_out else out.with_name(f"{out.stem}-baseline{out.suffix}")

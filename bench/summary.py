@@ -14,7 +14,7 @@ import click
 
 from bench import metrics
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, parse_tag, pool_repeats, read_run, record_files
+from bench.records import BASELINE, Problem, pairing_difference, parse_tag, pool_repeats, read_run, record_files
 from bench.tables import RESULTS_README, contended_turns, update_readme
 
 
@@ -30,9 +30,14 @@ def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
             if method == BASELINE:
                 continue
             newest = max(revisions)  # a method's newest revision, against the baseline of that revision
-            turns, base = _turns(revisions[newest]), _turns(files.get(BASELINE, {}).get(newest, []))
+            runs, base_runs = _runs(revisions[newest]), _runs(files.get(BASELINE, {}).get(newest, []))
+            turns, base = _pooled(runs), _pooled(base_runs)
             if not turns:  # every file left out: the warnings say why
                 continue
+            why = pairing_difference(runs[0].settings, base_runs[0].settings) if base_runs else None
+            if why:  # never a speedup or an exact match against a baseline of other settings
+                click.echo(f"warning: unpaired: {runs[0].path}: recorded with {why}; no speedup", err=True)
+                base = []
             row = metrics.summarize(turns, base)
             sized = metrics.known(turns, "accept_lengths", "tree_sizes")  # imported turns may lack them
             rounds = sum(len(t["accept_lengths"]) for t in sized)
@@ -62,14 +67,18 @@ def _contended(turns: list[dict]) -> int:
                for repeat in {t["repeat"] for t in turns})
 
 
-def _turns(files: list[tuple[int, Path]]) -> list[dict]:
-    """The turns of a series' files (bench.records' rule), its repeats pooled when recorded
-    with the same settings; what is left out is shown, not fatal: `bench report` lists it too."""
+def _runs(files: list[tuple[int, Path]]) -> list:
+    """The runs of a series' files (bench.records' rule), its repeats kept when recorded with
+    the same settings; what is left out is shown, not fatal: `bench report` lists it too."""
     problems: list[Problem] = []
     runs = [run for _, path in files if (run := read_run(path, problems)) is not None]
     runs, mixed = pool_repeats(runs)
     for problem in problems + mixed:
         click.echo(f"warning: {problem.kind}: {problem.where}: {problem.detail}", err=True)
+    return runs
+
+
+def _pooled(runs: list) -> list[dict]:
     return [turn for run in runs for turn in run.pooled]
 
 

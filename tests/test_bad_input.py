@@ -492,7 +492,36 @@ def _target_folder(kind: str) -> Callable[[Path], list[str]]:
     return prepare
 
 
+def _other_settings(tmp):
+    """pld's MT-bench records made at another max_new_tokens than their baseline."""
+    def edit(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[0]["settings"]["max_new_tokens"] = 8
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return clean_with(tmp, edit)
+
+
+def _unpaired_report(tmp, result):
+    assert result.exit_code == 0
+    html = (tmp / "out" / "report.html").read_text()
+    assert "unpaired" in html and "max_new_tokens 8" in html
+
+
+def _unpaired_summary(tmp, result):
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| mtbench | pld |"))
+    assert "2.00x" not in row and "unpaired" in result.stderr
+
+
 CASES = {
+    "0 report: method and baseline at other settings not paired": Case(
+        "bench", lambda tmp: (_other_settings(tmp), report_args(tmp))[1], 0, "", _unpaired_report),
+    "0 summary: method and baseline at other settings not paired": Case(
+        "summary", lambda tmp: (_other_settings(tmp), summary_args(tmp))[1], 0, "unpaired", _unpaired_summary),
+    "0 export specbench: method and baseline at other settings": Case(
+        "bench", lambda tmp: ["export", "--format", "specbench", "--run",
+                              str(_other_settings(tmp) / TARGET / "mtbench" / "pld-t.jsonl"), "--out",
+                              str(tmp / "out.jsonl")], 2, "max_new_tokens 8",
+        lambda tmp, r: not (tmp / "out.jsonl").exists()),
     # 0. records verified, not trusted: option ranges before anything loads, one line each
     "0 train: --lr nan": Case("bench", _train("--lr", "nan"), 2, "--lr must be a finite"),
     "0 train: --epochs inf": Case("bench", _train("--epochs", "inf"), 2, "--epochs must be a finite"),
