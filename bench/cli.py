@@ -187,6 +187,9 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
     info = get_method(method)
     if not info.trained:
         raise BenchError(f"method '{method}' has nothing to train")
+    from bench.registry import check_training_options
+
+    check_training_options(method, option_pairs(options))
     if compile_ and not info.compiles:
         with_it = ", ".join(m.name for m in METHODS.values() if m.compiles)
         raise BenchError(f"--compile: the {method} trainer has no compiled path (methods with one: {with_it})")

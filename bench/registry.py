@@ -24,6 +24,8 @@ class MethodInfo:
     lossless: bool = True
     trained: bool = False  # needs a drafter trained for the target (`bench train`)
     compiles: bool = False  # `bench train --compile` runs its trainer's hot functions through torch.compile
+    # "module:Class", the dataclass of its `bench train --option`s: checked before the target loads
+    train_options: str | None = None
 
 
 METHODS: dict[str, MethodInfo] = {m.name: m for m in [
@@ -32,23 +34,25 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("pld", "methods.pld", "prompt lookup decoding: n-gram copy from prompt+output"),
     MethodInfo("lookahead", "methods.lookahead", "Lookahead decoding: Jacobi window + n-gram pool (N=5, W=7, G=7)"),
     MethodInfo("sps", "methods.sps", "speculative sampling with a distilled draft LM (bench train --method sps)",
-               trained=True),
+               trained=True, train_options="bench.core.training.draft_lm:DraftLMSettings"),
     MethodInfo("specinfer", "methods.specinfer", "SpecInfer token trees from the SpS draft model (top-k or sampled)",
                trained=True),
     MethodInfo("medusa", "methods.medusa", "Medusa-1: K=5 residual heads on the last hidden state, static tree",
-               trained=True),
+               trained=True, train_options="methods.medusa.training:MedusaTraining"),
     MethodInfo("mtp", "methods.mtp", "multi-token prediction: DeepSeek-V3 sequential module (or parallel heads)",
-               trained=True),
-    MethodInfo("eagle", "methods.eagle", "EAGLE-1: feature-level AR head, static tree", trained=True),
-    MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True),
+               trained=True, train_options="methods.mtp.training:MtpSettings"),
+    MethodInfo("eagle", "methods.eagle", "EAGLE-1: feature-level AR head, static tree", trained=True,
+               train_options="methods.eagle.training:EagleTrainSettings"),
+    MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True,
+               train_options="methods.eagle.training:EagleTrainSettings"),
     MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
-               trained=True, compiles=True),
+               trained=True, train_options="methods.eagle.training:EagleTrainSettings", compiles=True),
     MethodInfo("dflash", "methods.dflash", "DFlash: block-diffusion drafter on fused target features, b-token chain",
-               trained=True, compiles=True),
+               trained=True, train_options="methods.dflash.training:BlockTrainSettings", compiles=True),
     MethodInfo("ddtree", "methods.ddtree", "DDTree: best-first tree from one DFlash pass under a node budget",
                trained=True),
     MethodInfo("dspark", "methods.dspark", "DSpark: DFlash backbone + Markov and confidence heads, scheduled verify",
-               trained=True, compiles=True),
+               trained=True, train_options="methods.dflash.training:BlockTrainSettings", compiles=True),
 ]}
 
 
@@ -56,6 +60,18 @@ def get_method(name: str) -> MethodInfo:
     if name not in METHODS:
         raise BenchError(f"unknown method '{name}' (choose from {', '.join(METHODS)})")
     return METHODS[name]
+
+
+def check_training_options(name: str, options: dict) -> None:
+    """Unknown `bench train --option` keys as one line, before anything loads."""
+    path = get_method(name).train_options
+    if path is None:
+        return
+    module, _, cls = path.partition(":")
+    known = {f for f in getattr(importlib.import_module(module), cls).__dataclass_fields__ if f != "extra"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise BenchError(f"unknown {name} training option '{unknown[0]}' (known: {', '.join(sorted(known))})")
 
 
 def options_class(name: str) -> type:

@@ -524,6 +524,8 @@ CASES = {
         lambda tmp, r: not (tmp / "out.jsonl").exists()),
     # 0. records verified, not trusted: option ranges before anything loads, one line each
     "0 train: --lr nan": Case("bench", _train("--lr", "nan"), 2, "--lr must be a finite"),
+    "0 train: an unknown training option": Case("bench", _train("--option", "blocks=3"), 2,
+                                                "unknown eagle training option 'blocks'"),
     "0 train: --epochs inf": Case("bench", _train("--epochs", "inf"), 2, "--epochs must be a finite"),
     "0 train: --out a file": Case("bench", lambda tmp: ["train", "--method", "eagle", "--out", str(_a_file(tmp))], 2,
                                   "is a file, not a training folder"),
