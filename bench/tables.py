@@ -418,6 +418,11 @@ def _check_pairing(records: Records) -> None:
         if why:
             records.problems.append(Problem("unpaired", str(run.path), f"recorded with {why}: not compared "
                                             "with that baseline (no speedup, no exact match)"))
+        elif base is not None:
+            wrong = sum(c["exact"] != c["stored"] for c in metrics.exact_matches(run.pooled, base.pooled))
+            if wrong:
+                records.problems.append(Problem("flag disagrees", str(run.path), f"{wrong} turn(s) whose stored "
+                                                "exact_match the token ids contradict: the tables read the token ids"))
 
 
 def summarize(records: Records, by: str = "task") -> pd.DataFrame:

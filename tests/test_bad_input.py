@@ -492,6 +492,50 @@ def _target_folder(kind: str) -> Callable[[Path], list[str]]:
     return prepare
 
 
+def _foreign_in_ar(tmp):
+    """A pld turn appended to AR's file (a new question): read as AR's, it would lift AR's τ."""
+    results = clean_with(tmp)
+    ar = results / TARGET / "mtbench" / "ar-t.jsonl"
+    pld = [json.loads(line) for line in (results / TARGET / "mtbench" / "pld-t.jsonl").read_text().splitlines()]
+    ar.write_text(ar.read_text() + json.dumps(dict(pld[1], question_id="3")) + "\n")
+    return report_args(tmp)
+
+
+def _tokens_replaced(tmp):
+    """A turn's tokens replaced, its stored exact_match left true."""
+    def edit(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[1]["tokens"] = [9] * len(rows[1]["tokens"])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    clean_with(tmp, edit)
+    return report_args(tmp)
+
+
+def _both_packed_and_plain(tmp):
+    """X.jsonl (1 turn) beside X.jsonl.gz (2 turns): packing must not lose the 2."""
+    import gzip
+
+    results = clean_with(tmp)
+    ar = results / TARGET / "gsm8k" / "ar-t.jsonl"
+    longer = ar.read_bytes() + (results / TARGET / "gsm8k" / "ar-t.jsonl").read_bytes().splitlines(True)[1] \
+        .replace(b'"question_id": "1"', b'"question_id": "2"')
+    ar.with_name("ar-t.jsonl.gz").write_bytes(gzip.compress(longer, mtime=0))
+    keep_copy(ar.with_name("ar-t.jsonl.gz"), tmp)
+    return ["pack", str(ar)]
+
+
+def _empty_question_id(tmp):
+    path = tmp / "empty.jsonl"
+    path.write_text(json.dumps({"question_id": " ", "turns": ["Say hi."]}) + "\n")
+    return run_args(path, tmp)
+
+
+def _bom_task(tmp):
+    path = tiny_task(tmp)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    return run_args(path, tmp)
+
+
 def _other_settings(tmp):
     """pld's MT-bench records made at another max_new_tokens than their baseline."""
     def edit(path):
@@ -513,6 +557,17 @@ def _unpaired_summary(tmp, result):
 
 
 CASES = {
+    "0 report: a pld line in AR's file set aside": Case(
+        "bench", _foreign_in_ar, 0, "foreign turn", _report_shows("| ar | 5 | 1.00 |")),
+    "0 report: tokens replaced under a true exact_match flag": Case(
+        "bench", _tokens_replaced, 0, "flag disagrees",
+        _report_shows("| pld | 5 | 3.00 | 2.40x", "| 80% (0 near ties, 1 mismatches) |")),
+    "0 pack: a plain file beside a packed one it did not grow from": Case(
+        "bench", _both_packed_and_plain, 0, "hold different lines",
+        unchanged(lambda tmp: tmp / "results" / TARGET / "gsm8k" / "ar-t.jsonl.gz")),
+    "0 run: empty question_id in the task": Case("bench", _empty_question_id, 2, "needs a 'question_id'", _no_records),
+    "0 run: a task file that starts with a UTF-8 BOM": Case(
+        "bench", _bom_task, 0, "", lambda tmp, result: ar_records(tmp, tmp / "tiny.jsonl").exists(), model=True),
     "0 report: method and baseline at other settings not paired": Case(
         "bench", lambda tmp: (_other_settings(tmp), report_args(tmp))[1], 0, "", _unpaired_report),
     "0 summary: method and baseline at other settings not paired": Case(
