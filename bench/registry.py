@@ -32,6 +32,7 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("ar", "methods.ar", "autoregressive baseline: the shared loop with no draft"),
     MethodInfo("hf", "methods.hf", "transformers.generate, the outside reference (greedy/sampling)"),
     MethodInfo("pld", "methods.pld", "prompt lookup decoding: n-gram copy from prompt+output"),
+    MethodInfo("suffix", "methods.suffix", "SuffixDecoding: suffix trees over the request and earlier replies"),
     MethodInfo("lookahead", "methods.lookahead", "Lookahead decoding: Jacobi window + n-gram pool (N=5, W=7, G=7)"),
     MethodInfo("sps", "methods.sps", "speculative sampling with a distilled draft LM (bench train --method sps)",
                trained=True, train_options="bench.core.training.draft_lm:DraftLMSettings"),
