@@ -167,9 +167,9 @@ def main(results_dir: str, target: str, tags: tuple[str, ...], tasks: tuple[str,
         raise BenchError(f"no records for target '{target}' with tag(s) {', '.join(map(str, tags)) or '-'}"
                          f" under {results_dir}")
     table = format_table(rows, tags=len(tags) > 1)
-    click.echo(table)
-    if block:
+    if block:  # first: a README that cannot be written leaves one error line and nothing else
         update_readme(Path(readme_path), {block: table})
+    click.echo(table)
 
 
 if __name__ == "__main__":

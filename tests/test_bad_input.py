@@ -673,7 +673,7 @@ CASES = {
     "7 report --out: disk full": Case(
         "bench", _report_disk_full, 2, "No space left on device", _last_report_kept, patch=_full_on_write),
     "7 summary --readme: disk full": Case(
-        "summary", _readme_full, 1, "cannot write", _readme_kept, patch=_full_on_tmp),
+        "summary", _readme_full, 2, "cannot write", _readme_kept, patch=_full_on_tmp),
     "7 report --out: read-only": Case(
         "bench", _report_disk_full, 2, "Read-only file system", _last_report_kept, patch=_read_only_out),
     # 9. one non-UTF-8 byte: that line only
