@@ -165,7 +165,7 @@ mtp-parallel: $(STAMP)
 	  $(BIN)/python -m bench.summary --tag mtp-parallel --readme mtp-parallel --readme-path results/README.md; \
 	fi
 
-# Issue-5 figures on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
+# The block sweep on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
 # (tags b4/b8/b16, `--budget k`: k draft tokens verified per round, each method's own knobs set from
 # it: dflash and dspark k block slots, ddtree a k-node tree, eagle3 a k-node dynamic tree, mtp a
 # k-deep chain; see each method's Options); dspark's scheduled verification (tag sched); temperature 1
@@ -196,7 +196,7 @@ budget-sweep: $(STAMP)
 	    --tag budget$$k --method $$m --budget $$k || exit 1; done; done
 	$(BIN)/bench report --task humaneval $(foreach k,$(BUDGETS),--tag budget$(k)) --out plots/budget
 
-# Issue-16 load figure: every batchable method at batch sizes LOAD_BATCHES (bench run --batch-size, the AR
+# The load figure: every batchable method at batch sizes LOAD_BATCHES (bench run --batch-size, the AR
 # baseline at the same batch size, tag load<B>) on the first LOAD_LIMIT MT-bench questions (at least B, so
 # the batch fills); then
 # plots/load/report.html (figure `load`: speedup and total throughput against batch size); `make all-results`
@@ -211,7 +211,7 @@ load-sweep: $(STAMP)
 	    --batch-size $$b --tag load$$b --method $$m || exit 1; done; done
 	$(BIN)/bench report --task mtbench $(foreach b,$(LOAD_BATCHES),--tag load$(b)) --out plots/load
 
-# Issue-15 "speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
+# "Speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
 # its drafts replaced by the AR baseline's own tokens at per-node acceptance a in ORACLE_ACCEPTS
 # (`--option oracle_accept=a`, bench.core.oracle: the method's real draft cost and tree shape),
 # tag oracle<a>, and once with its real drafter (tag oracle-real); then plots/oracle/report.html.

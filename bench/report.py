@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.ablate import figure, records_in
+from bench.claims import Evidence, claims_table
 from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
@@ -167,6 +168,22 @@ def named_series_of(results_dir: Path) -> dict[str, pd.DataFrame]:
         except BenchError:
             continue
     return found
+
+
+BLOCK_SWEEP_TAGS = ("b4", "b8", "b16")  # `make block-sweep`: the drafters at block (budget) 4, 8, 16
+
+
+def evidence_of(results_dir: Path, tables: Tables, load: pd.DataFrame | None, profiles: list[dict]) -> Evidence:
+    """What the claims table reads: this report's tables, the block sweep's and (where this
+    report drew none) the load sweep's kept series, the hardware profiles."""
+    def series(tags: tuple[str, ...]) -> pd.DataFrame | None:
+        try:
+            return build_tables(load_records(Path(results_dir), tags=tags)).per_task
+        except BenchError:
+            return None
+    if load is None:
+        load = series(tuple(f"load{b}" for b in (1, 2, 4, 8, 16, 32)))
+    return Evidence(tables.per_task, tables.overall, series(BLOCK_SWEEP_TAGS), load, tuple(profiles))
 
 
 def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
@@ -357,12 +374,15 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         if tuned is not None:
             written.append(stage / "tables" / "tuned.csv")
             csv_table(tuned.per_task).to_csv(written[-1], index=False)
+        claims = claims_table(evidence_of(Path(results_dir), tables, load, records.profiles))
+        written.append(stage / "tables" / "claims.csv")
+        claims.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
         figures += drawn
         written += [p for f in drawn for p in (f.png, f.svg)]
         write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view,
-                                                 ablations=studies))
+                                                 ablations=studies, claims=claims))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))

@@ -1,0 +1,30 @@
+"""The papers' claims table: each claim's verdict follows the records on its own definition,
+and a claim whose series is not kept says so instead of guessing."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from bench.claims import AGREE, DISAGREE, UNTESTABLE, Evidence, claims_table
+
+
+def rows(**columns) -> pd.DataFrame:
+    return pd.DataFrame(columns)
+
+
+def test_verdicts_follow_the_records_and_missing_series_are_named():
+    per_task = rows(method=["eagle3", "eagle2", "eagle", "pld"] * 2, task=["gsm8k"] * 4 + ["mtbench"] * 4,
+                    tau=[3.0, 2.5, 2.0, 1.5, 2.0, 2.5, 1.8, 1.4], match_rate=[1.0] * 8, mismatches=[0] * 8)
+    overall = rows(method=["eagle3", "eagle2", "ddtree", "dflash"], speedup=[1.5, 1.0, 0.9, 1.0],
+                   tau=[2.5, 2.2, 3.0, 2.0])
+    blocks = rows(method=["dflash"] * 3 + ["mtp"] * 3, series=["b4", "b8", "b16"] * 2,
+                  tau=[2.0, 2.6, 3.1, 1.8, 2.1, 2.15])
+    table = claims_table(Evidence(per_task, overall, blocks))
+    verdict = dict(zip(table["claim"].str[:20], table["verdict"]))
+    assert verdict["DFlash's acceptance"] == AGREE  # rises 2.0 / 2.6 / 3.1; MTP +0.3 then +0.05
+    assert verdict["EAGLE-3 > EAGLE-2 > "] == DISAGREE  # mtbench has EAGLE-2 ahead
+    assert verdict["EAGLE-3's speedup is"] == AGREE  # 1.5x / 1.0x
+    assert verdict["DDTree goes beyond D"] == DISAGREE  # higher τ, lower speedup
+    assert verdict["Speculation loses gr"] == UNTESTABLE and verdict["The output distribut"] == AGREE
+    why = dict(zip(table["claim"].str[:20], table["why"]))
+    assert "load sweep" in why["Speculation loses gr"] and "higher τ, lower speedup" in why["DDTree goes beyond D"]
