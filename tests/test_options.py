@@ -20,6 +20,7 @@ from bench.run import RunSettings, record_settings
 # method -> (a wrong type, an out-of-range value or a non-choice), as `--option` text
 BAD = {
     "pld": ("num_pred_tokens=abc", "num_pred_tokens=0"),
+    "suffix": ("max_tree_depth=abc", "min_token_prob=2"),
     "lookahead": ("window=abc", "ngram=1"),
     "sps": ("gamma=abc", "schedule=fast"),
     "specinfer": ("widths=a,b", "widths=0,1"),
@@ -36,6 +37,7 @@ BAD = {
 # method -> the knobs --budget K sets, for K = 4, 8, 16
 BUDGET = {
     "pld": lambda k: {"num_pred_tokens": k},
+    "suffix": lambda k: {"max_spec_tokens": k},
     "lookahead": lambda k: {"ngram": 5, "window": k // 4, "guesses": k // 4},
     "sps": lambda k: {"gamma": k, "schedule": "constant"},
     "specinfer": lambda k: {"widths": {4: (1, 1, 1, 1), 8: (2, 1, 1, 1), 16: (4, 1, 1, 1)}[k]},

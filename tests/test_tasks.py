@@ -189,7 +189,7 @@ def test_non_object_line(tmp_path):
 ])
 def test_missing_fields(tmp_path, row):
     path = _write(tmp_path / "fields.jsonl", [json.dumps({"question_id": 0, "turns": ["fine"]}), json.dumps(row)])
-    with pytest.raises(BenchError, match=r"fields\.jsonl:2: needs 'question_id'"):
+    with pytest.raises(BenchError, match=r"fields\.jsonl:2: needs a 'question_id'"):
         load_task(str(path))
 
 
