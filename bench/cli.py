@@ -580,7 +580,8 @@ def ship(method, drafter, target, dtype) -> None:
 @click.option("--method", default=None, help="a method with a trained drafter (see `bench list`); for --format "
               "specbench, the run's method (or give --run)")
 @click.option("--format", "fmt", required=True,
-              help="published layout: speculators | dflash | eagle | medusa; or specbench: a run's answers")
+              help="published layout: speculators | dflash | eagle | medusa; specbench: a run's answers; "
+                   "speculation-profile: its acceptance profile (specdec_bench's acceptance_rate.json)")
 @click.option("--out", "out_dir", required=True,
               help="new folder to write (must not exist or be empty); for specbench, the answer file")
 @click.option("--drafter", default=None, help="drafter folder (default: user-trained, then shipped)")
@@ -603,6 +604,8 @@ def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_d
     from bench.core.target import load_target
     from bench.registry import get_method
 
+    if fmt == "speculation-profile":
+        return _export_profile(run_file, target, task, method, tag, results_dir, out_dir, force)
     if fmt == "specbench" or run_file or task:
         return _export_answers(fmt, run_file, target, task, method, tag, results_dir, out_dir, baseline_out, force)
     if method is None:
@@ -617,6 +620,36 @@ def export(method, fmt, out_dir, drafter, target, run_file, task, tag, results_d
     loaded = load_target(target, "cpu", "float32")
     written = module.export(loaded, drafter, fmt, out)
     click.echo(f"exported {method} ({fmt} layout): {written}")
+
+
+def _export_profile(run_file, target, task, method, tag, results_dir, out, force) -> None:
+    """A run's acceptance profile as specdec_bench writes it (bench/speculation_profile.py)."""
+    from pathlib import Path
+
+    from bench.core.files import write_json
+    from bench.records import records_path
+    from bench.speculation_profile import problems, profile
+
+    if run_file is None:
+        from bench.core.target import DEFAULT_TARGET
+
+        if not (task and method):
+            raise BenchError("give the run: --run FILE, or --task and --method (with --target, --tag)")
+        run_file = records_path(Path(results_dir), target or DEFAULT_TARGET, task, method, tag)
+    out = Path(out)
+    if out.exists() and not force:
+        raise BenchError(f"{out} exists: give --force to replace it")
+    found = profile(Path(run_file))
+    failed = problems(found)
+    if failed:  # an identity that fails is a bug in the records or here, never written silently
+        raise BenchError(f"{run_file}: the profile fails {', '.join(failed)}")
+    try:
+        write_json(out, [found])
+    except OSError as exc:
+        raise BenchError(f"cannot write {out}: {exc.strerror or exc}") from None
+    click.echo(f"speculation profile of {found['Source']['method']} ({found['Source']['turns']} turns, "
+               f"{len(found['Per_Category'])} categories, mean tokens per step "
+               f"{found['Checks']['mean_tokens_per_step_is_the_sum_of_joints']['mean']:.3f}): {out}")
 
 
 def _export_answers(fmt, run_file, target, task, method, tag, results_dir, out, baseline_out, force) -> None:

@@ -286,3 +286,37 @@ def test_import_never_overwrites_records(tmp_path):
     one_line_error(result, "already exists")
     assert run.read_bytes() == before
     assert read_answers(source).rows == EAGLE
+
+
+def test_speculation_profile_export_reads_back_and_keeps_its_identities(tmp_path):
+    """`bench export --format speculation-profile`: specdec_bench's keys, per category too; read
+    back, every identity holds (histogram over every step, joint from 1 and never rising,
+    conditional = ratio of joints, mean tokens per step = sum of joints = τ), and a damaged
+    profile fails them."""
+    from click.testing import CliRunner
+    from report_helpers import TARGET, write_clean
+
+    from bench import metrics
+    from bench.cli import main
+    from bench.records import RunFile
+    from bench.speculation_profile import problems
+
+    results = tmp_path / "results"
+    write_clean(results)
+    run = results / TARGET / "mtbench" / "pld-t.jsonl"
+    out = tmp_path / "acceptance_rate.json"
+    result = CliRunner().invoke(main, ["export", "--format", "speculation-profile", "--run", str(run), "--out",
+                                       str(out)])
+    assert result.exit_code == 0, result.output
+    [profile] = json.loads(out.read_text())
+    assert {"Request_AL", "Category_AL", "Average_AL", "Acceptance_Length_Histogram", "Conditional_Acceptance_Rate",
+            "Joint_Acceptance_Rate", "Per_Category", "Checks", "Source"} <= set(profile)
+    assert set(profile["Category_AL"]) == {"writing", "math"} and not problems(profile)
+    assert all(check["holds"] for check in profile["Checks"].values())
+    tau = metrics.tau(RunFile(run).turns)
+    assert profile["Checks"]["mean_tokens_per_step_is_the_sum_of_joints"]["mean"] == pytest.approx(tau)
+    profile["Joint_Acceptance_Rate"][max(profile["Joint_Acceptance_Rate"], key=int)] = 2.0  # damaged
+    assert "joint_never_rises" in problems(profile)
+    again = CliRunner().invoke(main, ["export", "--format", "speculation-profile", "--run", str(run), "--out",
+                                      str(out)])
+    assert again.exit_code == 2 and "give --force" in again.stderr
