@@ -321,16 +321,19 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
     rows = rows[rows.groupby(["target", "task", "method"])["batch_size"].transform("nunique").gt(1)]
     if rows.empty:
         return Skipped(name, title, "no method run at more than one batch size")
-    fig = _figure(13.0, 3.6)
+    fig = _figure(17.0, 3.6)
     with matplotlib.rc_context(RC):
-        left, middle, right = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
+        left, middle, right, front = (fig.add_subplot(1, 4, i) for i in (1, 2, 3, 4))
         for (method, task), sub in rows.groupby(["method", "task"], sort=False):
             sub = sub.sort_values("batch_size")
             style = dict(color=_color(method), marker="o", linewidth=0.8, label=f"{method} / {task}")
             right.plot(sub["batch_size"], sub["throughput"], **style)
             middle.plot(sub["batch_size"], 1e3 * sub["tpot_s"], **style)
+            front.plot(sub["throughput"], sub["tokens_per_s"], **style)  # SPEED-Bench's and DSpark's serving view
             if method != BASELINE:
                 left.plot(sub["batch_size"], sub["speedup"], **style)
+        front.set_xlabel("total tok/s (all requests)")
+        front.set_ylabel("tok/s per request (per user)")
         left.axhline(1.0, color="black", linewidth=0.6)
         left.set_ylabel("speedup over AR at the same batch size")
         middle.set_ylabel("per-request TPOT (ms per token)")
@@ -340,11 +343,13 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("batch size (requests decoding at once)")
-        right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        front.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out, name, title, "Each method at several `bench run --batch-size` values, its AR baseline run "
-                 "at the same batch size. Left: speedup (ratio of sums over paired turns). Middle: each request's time "
-                 "per output token. Right: total throughput, per-request tok/s times the mean number of requests "
-                 "sharing its target passes. τ does not depend on the batch size (the tables give it).")
+                 "at the same batch size. First: speedup (ratio of sums over paired turns). Second: each request's "
+                 "time per output token. Third: total throughput, per-request tok/s times the mean number of "
+                 "requests sharing its target passes. Fourth: tok/s per request against total tok/s, one point per "
+                 "batch size (the serving front SPEED-Bench and DSpark draw: up and right is better). τ does not "
+                 "depend on the batch size (the tables give it).")
 
 
 def _speedup_axes(ax, legend_size: int) -> None:
