@@ -345,7 +345,7 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
     ShareGPT conversations (minus those overlapping an evaluation suite), sharded, resumable."""
     from bench.core.target import load_target, resolve_dtype
     from bench.core.training.distill import DistillSettings, distill, distill_status
-    from tasks import TASKS, load_task
+    from tasks import evaluation_turns
 
     if status:
         import methods  # noqa: F401  (registers the project's shipped data, methods/distilled/)
@@ -374,7 +374,7 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
     if max_reply >= max_context:
         raise BenchError(f"--max-reply ({max_reply}) must be below --max-context ({max_context})")
     resolve_dtype(dtype, device)
-    questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
+    questions = evaluation_turns(data_dir)
     loaded = load_target(target, device="cpu")
     settings = DistillSettings(max_reply=max_reply, max_context=max_context, dtype=dtype)
     data = distill(loaded, settings, questions, span, int(tokens) if tokens else None, batch_size, device,
@@ -472,7 +472,7 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
     from bench.registry import get_method
     from bench.run import check_device
     from bench.tune import tune as tune_methods
-    from tasks import TASKS, load_task
+    from tasks import evaluation_turns
 
     try:
         candidates = tuple(sorted({int(x) for x in budgets.split(",") if x.strip()}))
@@ -493,7 +493,7 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
 
     if (seeded := seed_profile_cache(results_dir, loaded)) is not None:
         click.echo(f"t_v(k) for auto-sized drafts: this machine's kept profile, copied to {seeded}")
-    questions = {suite: [turn for q in load_task(suite, data_dir) for turn in q.turns] for suite in TASKS}
+    questions = evaluation_turns(data_dir)
     prompts = [p for p in (chat_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
                            for text in tuning_prompts(questions)) if len(p) <= 512][:prompt_count]
     if len(prompts) < prompt_count:

@@ -152,6 +152,28 @@ def _goals(goals: pd.DataFrame) -> str:
             + _table(goals.drop(columns=["over"], errors="ignore")))
 
 
+def category_matrix(per_category: pd.DataFrame) -> pd.DataFrame:
+    """Category x method, each cell "τ / speedup" (AIPerf's SPEED-Bench matrix, two metrics)."""
+    if per_category.empty:
+        return pd.DataFrame()
+    rows = per_category[per_category["method"] != "ar"]
+    cells = rows.assign(cell=[f"{t:.2f} / {s:.2f}x" if s == s else f"{t:.2f} / -"
+                              for t, s in zip(rows["tau"], rows.get("speedup", pd.Series(float("nan"),
+                                                                                         index=rows.index)))])
+    matrix = cells.pivot_table(index=["series", "task", "category"], columns="method", values="cell",
+                               aggfunc="first")
+    matrix.columns.name = None
+    return matrix.reset_index()
+
+
+def _category_matrix(per_category: pd.DataFrame) -> str:
+    matrix = category_matrix(per_category)
+    if matrix.empty:
+        return ""
+    return ('<p class="note">τ / speedup over AR per category and method (the rows below in full).</p>'
+            + _table(matrix))
+
+
 def _claims(claims: pd.DataFrame) -> str:
     return ('<p class="note">Each claim on its own definition, measured on the kept records (the grid\'s series '
             "of this report, the block sweep, the load sweep, the hardware profiles), recomputed whenever the "
@@ -214,7 +236,8 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         ("figures", "Figures", _figures([f for f in figures if not f.name.startswith("ablation-")])),
         *([("ablations", "Recipe ablations (bench ablate)", _ablations(ablations, figures))] if ablations else []),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
-        ("categories", "Per category (MT-bench, Spec-Bench)", _table(display_table(tables.per_category))),
+        ("categories", "Per category (MT-bench, Spec-Bench, SPEED-Bench)", _category_matrix(tables.per_category)
+         + _table(display_table(tables.per_category))),
         ("revisions", "Earlier revisions (before a retrained drafter or other settings)", _revisions(records)),
         ("missing", "Missing and partial records", _problems(records, figures)),
         ("references", "Reported by the papers (not measured here)",

@@ -44,7 +44,7 @@ from bench.records import (
 )
 from bench.specbench import speedup_specbench
 
-CATEGORY_TASKS = ("mtbench", "specbench")  # suites whose categories get their own tables
+CATEGORY_TASKS = ("mtbench", "specbench", "speedbench")  # suites whose categories get their own tables
 
 
 @dataclass

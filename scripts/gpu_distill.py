@@ -30,9 +30,9 @@ PART_BYTES = 50 * 2**20
 
 
 def _eval_questions() -> dict[str, list[str]]:
-    from tasks import TASKS, load_task
+    from tasks import evaluation_turns
 
-    return {suite: [turn for q in load_task(suite, None) for turn in q.turns] for suite in TASKS}
+    return evaluation_turns(None)
 
 
 def prepare(dest: Path) -> None:

@@ -37,7 +37,13 @@ LOCAL_FILES = {
     "mtbench": "mt_bench/question.jsonl",
     "gsm8k": "gsm8k/test.jsonl",
     "specbench": "spec_bench/question.jsonl",
+    "speedbench": "speed_bench/qualitative.jsonl",
 }
+# SPEED-Bench (NVIDIA, the hub dataset nvidia/SPEED-Bench): its qualitative split, 880 questions
+# in 11 categories, rows {question_id, category, sub_category, turns, source, difficulty, ...}.
+SPEED_BENCH = "nvidia/SPEED-Bench"
+SPEED_BENCH_CATEGORIES = ("coding", "humanities", "math", "multilingual", "qa", "rag", "reasoning", "roleplay",
+                          "stem", "summarization", "writing")
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
 
@@ -126,6 +132,45 @@ def load_specbench(data_dir=None) -> list[Question]:
     return _mtbench_format(_numbered_rows(path), path)
 
 
+def load_speedbench(data_dir=None) -> list[Question]:
+    """SPEED-Bench's qualitative split: a local copy (speed_bench/qualitative.jsonl under the
+    data dir, one row per question as the hub's rows), else the hub (`huggingface_hub`, online)."""
+    for folder in data_dirs(data_dir):
+        path = folder / LOCAL_FILES["speedbench"]
+        if path.exists():
+            return _mtbench_format(_numbered_rows(path), path)
+    path = _speedbench_from_hub()
+    return _mtbench_format(_numbered_rows(path), path)
+
+
+def _speedbench_from_hub() -> Path:
+    """The qualitative split fetched from the hub once and cached as JSONL (needs the network
+    and pandas' parquet reader); one line saying where a local copy goes otherwise."""
+    cached = Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "spec-bench")) / "tasks" / "speedbench.jsonl"
+    if cached.exists():
+        return cached
+    try:
+        import json
+
+        import pandas as pd
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(SPEED_BENCH, repo_type="dataset", allow_patterns=["qualitative/*"]))
+        frames = [pd.read_parquet(p) for p in sorted(folder.rglob("*.parquet"))]
+        if not frames:
+            raise FileNotFoundError("no qualitative parquet files")
+        rows = pd.concat(frames).to_dict("records")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.with_suffix(".tmp").write_text("".join(json.dumps(
+            {k: (list(v) if k == "turns" else v) for k, v in row.items() if k in ("question_id", "category", "turns")})
+            + "\n" for row in rows))
+        cached.with_suffix(".tmp").rename(cached)
+    except Exception as exc:
+        raise BenchError(f"no data for task 'speedbench': put the qualitative split as {LOCAL_FILES['speedbench']} "
+                         f"under --data-dir, or go online to fetch {SPEED_BENCH} ({type(exc).__name__})") from None
+    return cached
+
+
 def load_gsm8k(data_dir=None) -> list[Question]:
     path = _find_source("gsm8k", data_dir)
     questions = []
@@ -165,7 +210,22 @@ TASKS = {
     "humaneval": load_humaneval,
     "gsm8k": load_gsm8k,
     "specbench": load_specbench,
+    "speedbench": load_speedbench,
 }
+
+
+OPTIONAL_TASKS = ("speedbench",)  # suites that need a download or a local copy the checkout lacks
+
+
+def evaluation_turns(data_dir=None) -> dict[str, list[str]]:
+    """Every turn of every suite there is data for (what training data must not overlap); an
+    optional suite without data here is left out."""
+    found = {}
+    for suite in TASKS:
+        if suite in OPTIONAL_TASKS and not any((d / LOCAL_FILES[suite]).exists() for d in data_dirs(data_dir)):
+            continue  # never a download for a filter
+        found[suite] = [turn for q in load_task(suite, data_dir) for turn in q.turns]
+    return found
 
 
 def task_name(task: str) -> str:

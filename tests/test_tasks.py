@@ -232,3 +232,24 @@ def test_per_category_takes_a_stratified_sample(data_dir):
     assert len(counts) == 13 and set(counts.values()) == {2}
     assert [q.question_id for q in tasks.load_task("specbench", data_dir, per_category=2, limit=3)] == \
         [q.question_id for q in questions[:3]]
+
+
+def test_speed_bench_reads_a_local_copy_in_its_format_with_its_categories(tmp_path, monkeypatch):
+    """`--task speedbench`: SPEED-Bench's qualitative split from a local copy (its rows as the
+    hub gives them); its 11 categories flow through; without a copy or the network, one line;
+    the training-overlap filter never downloads it."""
+    from pathlib import Path
+
+    from tasks import SPEED_BENCH_CATEGORIES, evaluation_turns
+
+    fixture = Path(__file__).parent / "data"
+    questions = load_task("speedbench", data_dir=fixture)
+    assert sorted({q.category for q in questions}) == sorted(SPEED_BENCH_CATEGORIES)
+    assert any(len(q.turns) == 2 for q in questions) and all(q.question_id.startswith("speed-") for q in questions)
+    assert len(load_task("speedbench", data_dir=fixture, categories=("rag",))) == 1
+    assert "speedbench" in evaluation_turns(fixture) and "speedbench" not in evaluation_turns()
+    monkeypatch.setattr(tasks, "REPO_ROOT", tmp_path)
+    monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BenchError, match="no data for task 'speedbench'"):
+        load_task("speedbench", data_dir=tmp_path)
