@@ -165,22 +165,24 @@ mtp-parallel: $(STAMP)
 	  $(BIN)/python -m bench.summary --tag mtp-parallel --readme mtp-parallel --readme-path results/README.md; \
 	fi
 
-# The block sweep on HumanEval (first 10, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
+# The block sweep on HumanEval and GSM8K (first 10 of each, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
 # (tags b4/b8/b16, `--budget k`: k draft tokens verified per round, each method's own knobs set from
 # it: dflash and dspark k block slots, ddtree a k-node tree, eagle3 a k-node dynamic tree, mtp a
 # k-deep chain; see each method's Options); dspark's scheduled verification (tag sched); temperature 1
 # (tag t1; the threshold cut: tag thr); then the confidence head's calibration and results/README.md's
 # `blocks` table. Every run is interleaved with its AR baseline.
-SWEEP := $(BIN)/bench run --task humaneval --limit 10 --max-new-tokens 128
+SWEEP_ANY := $(BIN)/bench run --limit 10 --max-new-tokens 128
+SWEEP := $(SWEEP_ANY) --task humaneval
+SWEEP_TASKS ?= humaneval gsm8k
 block-sweep: $(STAMP)
-	for k in 4 8 16; do \
-	  for m in dflash dspark ddtree eagle3 mtp; do $(SWEEP) --tag b$$k --method $$m --budget $$k || exit 1; done; \
-	done
+	for t in $(SWEEP_TASKS); do for k in 4 8 16; do \
+	  for m in dflash dspark ddtree eagle3 mtp; do $(SWEEP_ANY) --task $$t --tag b$$k --method $$m --budget $$k || exit 1; done; \
+	done; done
 	$(SWEEP) --tag sched --method dspark
 	$(SWEEP) --tag thr --method dspark --option schedule=threshold --option threshold=0.5
 	for m in dflash dspark eagle3; do $(SWEEP) --tag t1 --temperature 1 --method $$m || exit 1; done
 	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
-	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval \
+	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval --task gsm8k \
 	  --readme blocks --readme-path results/README.md
 
 # tau and speedup against the draft budget (--budget K: draft tokens verified per round) for every
