@@ -174,6 +174,17 @@ def _category_matrix(per_category: pd.DataFrame) -> str:
             + _table(matrix))
 
 
+def _papers(papers: list) -> str:
+    parts = ['<p class="ref">Published numbers are <b>the papers\'</b>, each read in its source (column "published '
+             'number checked"); ours come from the record file named in each row. The targets differ by one to two '
+             "orders of magnitude and the hardware by kind, so compare orderings and trends, not values.</p>"]
+    for table, frame in papers:
+        parts.append(f'<h3 id="paper-{_e(table.key)}">{_e(table.title)}</h3>'
+                     f'<p class="note">Source: {_e(table.source)}.<br>Theirs: {_e(table.theirs)}.<br>'
+                     f"Ours (series <code>{_e(table.series)}</code>): {_e(table.ours)}.</p>" + _table(frame))
+    return "\n".join(parts)
+
+
 def _claims(claims: pd.DataFrame) -> str:
     return ('<p class="note">Each claim on its own definition, measured on the kept records (the grid\'s series '
             "of this report, the block sweep, the load sweep, the hardware profiles), recomputed whenever the "
@@ -216,7 +227,7 @@ def _ablations(studies: list[dict], figures: list[Figured | Skipped]) -> str:
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
            references: list[dict] | None = None, goals: pd.DataFrame | None = None,
            tuned: pd.DataFrame | None = None, ablations: list[dict] | None = None,
-           claims: pd.DataFrame | None = None) -> str:
+           claims: pd.DataFrame | None = None, papers: list | None = None) -> str:
     references = load_references() if references is None else references
     sizes = ", ".join(f"{task}: {n} turns" for task, n in tables.per_task[tables.per_task["method"] == "ar"]
                       .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
@@ -231,6 +242,7 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (greedy, the grid's suites and settings)", _goals(goals))]
           if goals is not None and not goals.empty else []),
+        *([("papers", "The papers' tables beside ours", _papers(papers))] if papers else []),
         *([("claims", "The papers' claims, checked here", _claims(claims))] if claims is not None else []),
         ("serving", "Training against serving", _serving(records)),
         ("figures", "Figures", _figures([f for f in figures if not f.name.startswith("ablation-")])),

@@ -18,6 +18,7 @@ from bench.claims import Evidence, claims_table
 from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
+from bench.paper_tables import PaperTable, load_paper_tables, paper_table
 from bench.plots import Figured, make_figures
 from bench.records import Problem, record_files
 from bench.revisions import NEWEST, display_revisions, revisions_table
@@ -168,6 +169,26 @@ def named_series_of(results_dir: Path) -> dict[str, pd.DataFrame]:
         except BenchError:
             continue
     return found
+
+
+def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list[tuple[PaperTable, pd.DataFrame]]:
+    """Each published table (bench/paper_tables.json) beside our cells: from this report's
+    records where the table's series is among them, else from that series' own records."""
+    out = []
+    for table in load_paper_tables():
+        selected = records if table.series in set(tables.per_task.get("series", ())) else None
+        if selected is None:
+            try:
+                selected = load_records(Path(results_dir), tags=(table.series,))
+            except BenchError:
+                selected = None
+        per_task = build_tables(selected).per_task if selected is not None else None
+        if per_task is not None and not per_task.empty:
+            per_task = per_task[per_task["series"] == table.series]
+        runs = {(r.method, r.task): str(r.path) for r in (selected.runs if selected else [])
+                if r.series == table.series}
+        out.append((table, paper_table(table, per_task, runs)))
+    return out
 
 
 BLOCK_SWEEP_TAGS = ("b4", "b8", "b16")  # `make block-sweep`: the drafters at block (budget) 4, 8, 16
@@ -377,12 +398,16 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         claims = claims_table(evidence_of(Path(results_dir), tables, load, records.profiles))
         written.append(stage / "tables" / "claims.csv")
         claims.to_csv(written[-1], index=False)
+        papers = paper_tables_of(Path(results_dir), records, tables)
+        for table, frame in papers:
+            written.append(stage / "tables" / f"paper-{table.key}.csv")
+            frame.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
         figures += drawn
         written += [p for f in drawn for p in (f.png, f.svg)]
         write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view,
-                                                 ablations=studies, claims=claims))
+                                                 ablations=studies, claims=claims, papers=papers))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))

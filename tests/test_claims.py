@@ -31,3 +31,28 @@ def test_verdicts_follow_the_records_and_missing_series_are_named():
     assert verdict["DDTree"] == DISAGREE  # higher τ, lower speedup
     assert verdict["Speculation"] == UNTESTABLE and verdict["The output"] == AGREE
     assert "load sweep" in of("why", "Speculation") and "higher τ, lower speedup" in of("why", "DDTree")
+
+
+def test_a_paper_table_sets_our_cell_beside_the_published_one_with_its_record(tmp_path):
+    import json
+
+    from report_helpers import TARGET, write_clean
+
+    from bench.paper_tables import load_paper_tables, paper_table
+    from bench.report import paper_tables_of
+    from bench.tables import build_tables, load_records
+
+    write_clean(tmp_path / "results")
+    spec = {"tables": [{"key": "k", "title": "T", "source": "S", "theirs": "them", "series": "t", "ours": "us",
+                        "cells": [{"method": "pld", "task": "gsm8k", "metric": "tau", "published": 1.75,
+                                   "checked": "yes"},
+                                  {"method": "eagle", "task": "gsm8k", "metric": "speedup", "published": 2.1}]}]}
+    (tmp_path / "tables.json").write_text(json.dumps(spec))
+    [table] = load_paper_tables(tmp_path / "tables.json")
+    records = load_records(tmp_path / "results")
+    runs = {(r.method, r.task): str(r.path) for r in records.runs}
+    frame = paper_table(table, build_tables(records).per_task, runs)
+    assert list(frame["ours"]) == ["3.00", "not run"] and list(frame["published"]) == ["1.75", "2.1x"]
+    assert frame["our record"].iloc[0].endswith(f"{TARGET}/gsm8k/pld-t.jsonl")
+    shipped = paper_tables_of(tmp_path / "results", records, build_tables(records))  # the project's own tables
+    assert {t.key for t, _ in shipped} >= {"dspark-table1", "ddtree-results", "specbench-leaderboard"}
