@@ -242,14 +242,14 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
         *([("goals", "Goals (greedy, the grid's suites and settings)", _goals(goals))]
           if goals is not None and not goals.empty else []),
-        *([("papers", "The papers' tables beside ours", _papers(papers))] if papers else []),
-        *([("claims", "The papers' claims, checked here", _claims(claims))] if claims is not None else []),
-        ("serving", "Training against serving", _serving(records)),
         ("figures", "Figures", _figures([f for f in figures if not f.name.startswith("ablation-")])),
-        *([("ablations", "Recipe ablations (bench ablate)", _ablations(ablations, figures))] if ablations else []),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
         ("categories", "Per category (MT-bench, Spec-Bench, SPEED-Bench)", _category_matrix(tables.per_category)
          + _table(display_table(tables.per_category))),
+        *([("papers", "The papers' tables beside ours", _papers(papers))] if papers else []),
+        *([("claims", "The papers' claims, checked here", _claims(claims))] if claims is not None else []),
+        ("serving", "Training against serving", _serving(records)),
+        *([("ablations", "Recipe ablations (bench ablate)", _ablations(ablations, figures))] if ablations else []),
         ("revisions", "Earlier revisions (before a retrained drafter or other settings)", _revisions(records)),
         ("missing", "Missing and partial records", _problems(records, figures)),
         ("references", "Reported by the papers (not measured here)",

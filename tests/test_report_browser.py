@@ -66,6 +66,8 @@ def test_report_renders_in_chromium(report, tmp_path):
     headings = re.findall(r"<h2[^>]*>(.*?)</h2>", dom)
     assert headings[:3] == ["Overall (all selected tasks pooled)", "Figures", "Per task"]
     assert "Missing and partial records" in headings and "Reported by the papers (not measured here)" in headings
+    assert {"The papers' tables beside ours", "The papers' claims, checked here", "Training against serving"} \
+        <= set(headings)
     assert dom.count("<table") >= 6 and "2.40x" in dom
 
     shot = tmp_path / "shot.png"
