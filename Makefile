@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables grid-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables context-sweep grid-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ PAPER_GRID := $(BIN)/python -m bench.grid --tag paper-t1-b7 --temperature 1 --ta
 paper-tables: $(STAMP)
 	$(PAPER_GRID) --method eagle3 --option top_k=1 --option depth=7 --option total_token=8
 	$(PAPER_GRID) --method dflash --method dspark --budget 7
+
+# τ and speedup against context length (python -m bench.context_sweep): prompts of each length in
+# CONTEXT_LENGTHS built from Spec-Bench's documents, tags ctx<L>; the report draws them (figure "context").
+CONTEXT_METHODS ?= pld suffix eagle3 dflash
+CONTEXT_LENGTHS ?= 256,1024,2048,4096,7168
+context-sweep: $(STAMP)
+	$(BIN)/python -m bench.context_sweep --lengths $(CONTEXT_LENGTHS) $(foreach m,$(CONTEXT_METHODS),--method $(m))
 
 # Finished record files stored gzip'd (<file>.jsonl.gz, byte for byte; every command reads them as before):
 # the records are a fifth of their size. A file a run is still writing is left as it is.

@@ -352,6 +352,34 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "depend on the batch size (the tables give it).")
 
 
+def context_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
+    """τ and speedup against the prompt's length (python -m bench.context_sweep, series ctx<L>)."""
+    name, title = "context", "τ and speedup against context length"
+    rows = per_task[per_task["series"].str.fullmatch(r"ctx\d+") & per_task["method"].ne(BASELINE)] \
+        if not per_task.empty else per_task
+    if rows.empty:
+        return Skipped(name, title, "no context sweep kept (python -m bench.context_sweep)")
+    rows = rows.assign(context=rows["series"].str[3:].astype(int)).sort_values("context")
+    fig = _figure(10.0, 3.6)
+    with matplotlib.rc_context(RC):
+        left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        for method, sub in rows.groupby("method", sort=False):
+            style = dict(color=_color(method), marker="o", linewidth=0.8, label=method)
+            left.plot(sub["context"], sub["tau"], **style)
+            right.plot(sub["context"], sub["speedup"], **style)
+        left.set_ylabel("τ (tokens per verification)")
+        right.set_ylabel("speedup over AR (same prompts)")
+        right.axhline(1.0, color="black", linewidth=0.6)
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("prompt length (tokens)")
+        right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out, name, title, "Each method on prompts built to each length from a suite's questions (a "
+                 "reference block of other questions' text before the request), its AR baseline on the same prompts.")
+
+
 def _speedup_axes(ax, legend_size: int) -> None:
     """Speedup against τ: the break-even line, labels, the legend outside on the right."""
     ax.axhline(1.0, color="black", linewidth=0.6)

@@ -19,7 +19,7 @@ from bench.core.errors import BenchError
 from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.paper_tables import PaperTable, load_paper_tables, paper_table
-from bench.plots import Figured, make_figures
+from bench.plots import Figured, context_sweep, make_figures
 from bench.records import Problem, record_files
 from bench.revisions import NEWEST, display_revisions, revisions_table
 from bench.tables import (
@@ -189,6 +189,19 @@ def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list
                 if r.series == table.series}
         out.append((table, paper_table(table, per_task, runs)))
     return out
+
+
+def context_series_of(results_dir: Path) -> pd.DataFrame | None:
+    """The context sweep's per-task rows (series ctx<L>, python -m bench.context_sweep), or None."""
+    tags = sorted({p.name.split("-", 1)[1].split(".")[0] for p in Path(results_dir).glob("*/*/*-ctx*.jsonl*")
+                   if "-" in p.name})
+    tags = [t for t in tags if t[3:].isdigit()]
+    if not tags:
+        return None
+    try:
+        return build_tables(load_records(Path(results_dir), tags=tuple(tags))).per_task
+    except BenchError:
+        return None
 
 
 BLOCK_SWEEP_TAGS = ("b4", "b8", "b16")  # `make block-sweep`: the drafters at block (budget) 4, 8, 16
@@ -404,6 +417,10 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
             frame.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
+        contexts = context_series_of(Path(results_dir))
+        if contexts is not None:
+            drawn.append(context_sweep(contexts, stage / "figures"))
+        drawn = [f for f in drawn if isinstance(f, Figured)]
         figures += drawn
         written += [p for f in drawn for p in (f.png, f.svg)]
         write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view,

@@ -56,3 +56,27 @@ def test_a_paper_table_sets_our_cell_beside_the_published_one_with_its_record(tm
     assert frame["our record"].iloc[0].endswith(f"{TARGET}/gsm8k/pld-t.jsonl")
     shipped = paper_tables_of(tmp_path / "results", records, build_tables(records))  # the project's own tables
     assert {t.key for t, _ in shipped} >= {"dspark-table1", "ddtree-results", "specbench-leaderboard"}
+
+
+def test_the_context_sweep_builds_prompts_of_each_length_and_the_report_draws_it(tmp_path, default_target):
+    from report_helpers import turn, write_run
+
+    from bench.context_sweep import long_prompts
+    from bench.core.target import chat_prompt
+    from bench.report import make_report
+    from tasks import load_task
+
+    pool = load_task("specbench")[:40]
+    for length in (256, 1024):
+        rows = long_prompts(pool, default_target.tokenizer, length, 2)
+        sizes = [len(chat_prompt(default_target.tokenizer, [{"role": "user", "content": r["turns"][0]}]))
+                 for r in rows]
+        assert len(rows) == 2 and all(abs(size - length) <= 0.05 * length + 8 for size in sizes), sizes
+        assert rows[0]["turns"][0].endswith(pool[0].turns[-1])  # the request comes last
+    results = tmp_path / "results"
+    for length, decode in ((256, 0.4), (1024, 0.6)):
+        write_run(results, f"ctx{length}-abc", "ar", f"ctx{length}", [turn("1")])
+        write_run(results, f"ctx{length}-abc", "pld", f"ctx{length}",
+                  [turn("1", decode=decode, draft=0.1, verify=0.3, exact=True, proposed=(3, 3), accepted=(2, 1))])
+    make_report(results, tmp_path / "plots")
+    assert (tmp_path / "plots" / "figures" / "context.png").exists()
