@@ -4,7 +4,8 @@ Per file it names what is malformed (lines that are not whole, schema-valid reco
 duplicated (a turn recorded twice: the earlier line is the one counted), foreign (a turn of
 another method, or a drafting turn in the baseline's file), unpaired (a method run without a
 baseline of the same settings beside it), inconsistent (headers that disagree, a plain and a
-packed copy side by side, a stored exact-match flag the token ids contradict). Anything of
+packed copy side by side, a stored exact-match flag the token ids contradict, a greedy turn
+recorded for another prompt than its baseline's). Anything of
 these makes the command exit 1; what only describes a series (an older revision, a run not
 finished, a method not run on a machine) is listed as a note. `bench report` shows the same
 findings in its "Missing and partial" section.
@@ -21,7 +22,8 @@ from bench.records import BASELINE, Problem, pairing_difference, read_run, recor
 DAMAGE = {"corrupt": "malformed", "malformed turn": "malformed", "unfinished": "malformed",
           "unreadable": "malformed", "no header": "malformed", "duplicate": "duplicated",
           "foreign turn": "foreign", "unpaired": "unpaired", "no baseline": "unpaired",
-          "mixed settings": "inconsistent", "packed copy": "inconsistent", "flag disagrees": "inconsistent"}
+          "mixed settings": "inconsistent", "packed copy": "inconsistent", "flag disagrees": "inconsistent",
+          "other prompts": "inconsistent"}
 
 
 def check(results_dir: Path) -> list[Problem]:
@@ -52,6 +54,14 @@ def check(results_dir: Path) -> list[Problem]:
         if wrong:
             problems.append(Problem("flag disagrees", str(run.path), f"{len(wrong)} turn(s) whose stored exact_match "
                                     "the token ids contradict (the reports read the token ids)"))
+        if float((run.settings.get("sampling") or {}).get("temperature", 0.0)) > 0:
+            continue  # sampled: a later turn's prompt holds the earlier sampled replies, its own
+        prompts = {(t["question_id"], t["turn"]): t.get("prompt_hash") for t in base.turns}
+        other = [t for t in run.turns if prompts.get((t["question_id"], t["turn"]), t.get("prompt_hash"))
+                 not in (t.get("prompt_hash"), None) and t.get("prompt_hash") is not None]
+        if other:
+            problems.append(Problem("other prompts", str(run.path), f"{len(other)} turn(s) recorded for another prompt "
+                                    "than the baseline's turn of the same question"))
     return problems
 
 

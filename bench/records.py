@@ -370,7 +370,19 @@ def turn_problem(record: dict) -> str | None:
         wrong.append("tokens is null without new_tokens")
     if unknown & {"ttft", "decode_time"} and "wall_time" not in record:
         wrong.append("ttft or decode_time is null without wall_time")
+    if not wrong and _decoded_in_no_time(record, unknown):
+        wrong.append("tokens decoded in zero seconds")
     return "; ".join(wrong) or None
+
+
+def _decoded_in_no_time(record: dict, unknown: set[str]) -> bool:
+    """A turn with tokens and no time at all: its tok/s would be infinite."""
+    tokens = record["tokens"] if "tokens" not in unknown else [None] * int(record.get("new_tokens", 0))
+    if not tokens:
+        return False
+    if unknown & {"ttft", "decode_time"}:
+        return not record.get("wall_time", 0) > 0
+    return not record["ttft"] + record["decode_time"] > 0
 
 
 @dataclass

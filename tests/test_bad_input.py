@@ -536,6 +536,16 @@ def _bom_task(tmp):
     return run_args(path, tmp)
 
 
+def _no_time(tmp):
+    """A turn whose tokens took no time at all: its tok/s would be infinite."""
+    def edit(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[1].update(ttft=0.0, decode_time=0.0)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    clean_with(tmp, edit)
+    return report_args(tmp)
+
+
 def _other_settings(tmp):
     """pld's MT-bench records made at another max_new_tokens than their baseline."""
     def edit(path):
@@ -562,6 +572,8 @@ CASES = {
     "0 report: tokens replaced under a true exact_match flag": Case(
         "bench", _tokens_replaced, 0, "flag disagrees",
         _report_shows("| pld | 5 | 3.00 | 2.40x", "| 80% (0 near ties, 1 mismatches) |")),
+    "0 report: a turn decoded in zero seconds left out": Case(
+        "bench", _no_time, 0, "tokens decoded in zero seconds", _report_shows("| pld | 4 |")),
     "0 pack: a plain file beside a packed one it did not grow from": Case(
         "bench", _both_packed_and_plain, 0, "hold different lines",
         unchanged(lambda tmp: tmp / "results" / TARGET / "gsm8k" / "ar-t.jsonl.gz")),
