@@ -15,18 +15,22 @@ from bench.tune import CANDIDATES
 STOPPED_EXIT = 3  # bench train stopped by --stop-after before its last step (resumable, not shipped by make)
 
 
-class _Group(click.Group):
-    """Turns BenchError (bad input) into one line on stderr and exit code 2."""
+def one_line_errors(invoke, ctx: click.Context):
+    """Run a click command's invoke with BenchError (bad input) as one line on stderr and exit
+    code 2, and Ctrl-C as the shell's 130 (not click's "Aborted!" and 1)."""
+    try:
+        return invoke(ctx)
+    except BenchError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
+        sys.exit(130)
 
+
+class _Group(click.Group):
     def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except BenchError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:  # Ctrl-C: the shell's 130, not click's "Aborted!" and 1
-            click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
-            sys.exit(130)
+        return one_line_errors(super().invoke, ctx)
 
 
 def _under_jemalloc() -> None:

@@ -30,7 +30,6 @@ since that baseline is recorded, re-times each baseline turn right before its ow
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -333,7 +332,14 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     return cells
 
 
-@click.command()
+class _Command(click.Command):
+    def invoke(self, ctx: click.Context):
+        from bench.cli import one_line_errors
+
+        return one_line_errors(super().invoke, ctx)
+
+
+@click.command(cls=_Command)
 @click.option("--full", is_flag=True, help="every question of every suite, 256 new tokens, tag 'full'")
 @click.option("--tag", default=None, help="record series (default: grid, or full with --full)")
 @click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")
@@ -370,29 +376,22 @@ def main(full, tag, tasks, methods, limit, max_new_tokens, target, device, dtype
          repeats, remeasure_contended, remeasure_stale, budget, ray_address, ray_cpus_per_cell, temperature,
          options, dry_run) -> None:
     """Every method x task (the default target), idempotent; then run `bench report`."""
-    try:
-        check_tag(tag, revision_ok=False)
-        plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
-        unknown = [t for t in tasks if t not in plan]
-        if unknown:
-            raise BenchError(f"unknown grid task {', '.join(unknown)} (choose from {', '.join(plan)})")
-        plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
-        budget = parse_budget(budget)
-        tag = tag or ("full" if full else "grid") + (f"-t{temperature:g}" if temperature else "") + (
-            f"-{AUTO}" if budget == AUTO else "")
-        cells = run_grid(plan, list(methods) or grid_methods(), tag, results_dir,
-                         max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
-                         device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
-                         repeats=repeats, remeasure_contended=remeasure_contended,
-                         remeasure_stale=remeasure_stale, budget=budget, ray=ray_address,
-                         ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature,
-                         method_options=option_pairs(options))
-    except BenchError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
-        sys.exit(130)
+    check_tag(tag, revision_ok=False)
+    plan = dict(FULL_PLAN if full else DEFAULT_PLAN)
+    unknown = [t for t in tasks if t not in plan]
+    if unknown:
+        raise BenchError(f"unknown grid task {', '.join(unknown)} (choose from {', '.join(plan)})")
+    plan = {t: ({"limit": limit} if limit else s) for t, s in plan.items() if not tasks or t in tasks}
+    budget = parse_budget(budget)
+    tag = tag or ("full" if full else "grid") + (f"-t{temperature:g}" if temperature else "") + (
+        f"-{AUTO}" if budget == AUTO else "")
+    cells = run_grid(plan, list(methods) or grid_methods(), tag, results_dir,
+                     max_new_tokens or (FULL_MAX_NEW_TOKENS if full else DEFAULT_MAX_NEW_TOKENS), target,
+                     device, dtype, data_dir, dry_run, echo=lambda line: click.echo(line, err=True),
+                     repeats=repeats, remeasure_contended=remeasure_contended,
+                     remeasure_stale=remeasure_stale, budget=budget, ray=ray_address,
+                     ray_cpus_per_cell=ray_cpus_per_cell, temperature=temperature,
+                     method_options=option_pairs(options))
     for cell in cells:
         click.echo(f"{cell.task:<10} {cell.method:<10} {cell.records:<8} {cell.turns:>4}/{cell.expected_turns:<4} "
                    f"{cell.status}")

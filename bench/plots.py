@@ -339,10 +339,7 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
         middle.set_ylabel("per-request TPOT (ms per token)")
         right.set_ylabel("total tok/s (per-request tok/s x mean load)")
         for ax in (left, middle, right):
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(ScalarFormatter())
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_xlabel("batch size (requests decoding at once)")
+            _log2_axis(ax, "batch size (requests decoding at once)")
         front.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out, name, title, "Each method at several `bench run --batch-size` values, its AR baseline run "
                  "at the same batch size. First: speedup (ratio of sums over paired turns). Second: each request's "
@@ -350,6 +347,13 @@ def load_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
                  "requests sharing its target passes. Fourth: tok/s per request against total tok/s, one point per "
                  "batch size (the serving front SPEED-Bench and DSpark draw: up and right is better). τ does not "
                  "depend on the batch size (the tables give it).")
+
+
+def _log2_axis(ax, label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(label)
 
 
 def context_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
@@ -371,10 +375,7 @@ def context_sweep(per_task: pd.DataFrame, out: Path) -> Figured | Skipped:
         right.set_ylabel("speedup over AR (same prompts)")
         right.axhline(1.0, color="black", linewidth=0.6)
         for ax in (left, right):
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(ScalarFormatter())
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_xlabel("prompt length (tokens)")
+            _log2_axis(ax, "prompt length (tokens)")
         right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out, name, title, "Each method on prompts built to each length from a suite's questions (a "
                  "reference block of other questions' text before the request), its AR baseline on the same prompts.")

@@ -7,7 +7,6 @@ record files, so figures quoted anywhere come from kept records.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -141,11 +140,9 @@ class _Command(click.Command):
     """Bad input: one line on stderr and exit 2, as every `bench` command."""
 
     def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except BenchError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+        from bench.cli import one_line_errors
+
+        return one_line_errors(super().invoke, ctx)
 
 
 @click.command(cls=_Command)
