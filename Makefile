@@ -276,7 +276,7 @@ SCALE_COMPILE ?= --compile
 # target's paper taps differ ~9x in scale (scripts/tap_scales.py; results/README "EAGLE-3 fc_norm").
 # eagle3-paperfc is the paper's un-normed fc, the ablation's other arm.
 EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
-# The eagle3 entry (session 40 on): the fc_norm head on more of the pool, conversations cut at 1024 tokens
+# The eagle3 entry: the fc_norm head on more of the pool, conversations cut at 1024 tokens
 # instead of 512 (feature_tokens 6.5M; the distilled data runs out first, at 6.24M, against 4.37M), 3 epochs (its scaling line
 # put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
 # grouped by length (random batches of 4 at 1024 tokens are ~28% padding). The shipped head ran 3 epochs, then

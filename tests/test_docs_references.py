@@ -97,7 +97,8 @@ def test_every_name_and_path_in_the_prose_exists():
     assert not dead, "dead references:\n" + "\n".join(sorted(set(dead)))
 
 
-WORK_LOG = re.compile(r"\b(?:issues?[ -]#?\d+|stops? \d+|(?:this|last|earlier|previous) session)\b", re.IGNORECASE)
+WORK_LOG = re.compile(r"\b(?:issues?[ -]#?\d+|stops? \d+|sessions? \d+|(?:this|last|earlier|previous) session)\b",
+                      re.IGNORECASE)
 
 
 def test_no_issue_numbers_or_work_log_in_code_comments_or_the_makefile():

@@ -5,7 +5,7 @@ temporaries reuse the pages the last step freed instead of faulting fresh zeroed
 With purging on (any finite `dirty_decay_ms`) a step spends as much time in the kernel's
 page faults as in its matmuls (measured on the at-scale trainers, results/README.md). But
 steps differ in padded width, so the freed extents fit the next step's tensors less and
-less and the retained memory grows: session 14's EAGLE-3 trainer was killed at 17.6 GB.
+less and the retained memory grows: an at-scale EAGLE-3 trainer was killed at 17.6 GB.
 `MemoryCap` purges every arena once whenever the process's anonymous memory passes a cap: a
 one-off re-fault of the pages still in use, then reuse again.
 """
