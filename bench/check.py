@@ -46,23 +46,32 @@ def check(results_dir: Path) -> list[Problem]:
                 problems.append(Problem("no baseline", str(run.path), f"no {BASELINE} records of tag "
                                         f"'{run.tag or '(untagged)'}' beside it"))
             continue
-        why = pairing_difference(run.settings, base.settings)
-        if why:
-            problems.append(Problem("unpaired", str(run.path), f"recorded with {why}"))
-            continue
-        wrong = [c for c in metrics.exact_matches(run.turns, base.turns) if c["exact"] != c["stored"]]
-        if wrong:
-            problems.append(Problem("flag disagrees", str(run.path), f"{len(wrong)} turn(s) whose stored exact_match "
-                                    "the token ids contradict (the reports read the token ids)"))
-        if float((run.settings.get("sampling") or {}).get("temperature", 0.0)) > 0:
-            continue  # sampled: a later turn's prompt holds the earlier sampled replies, its own
-        prompts = {(t["question_id"], t["turn"]): t.get("prompt_hash") for t in base.turns}
-        other = [t for t in run.turns if prompts.get((t["question_id"], t["turn"]), t.get("prompt_hash"))
-                 not in (t.get("prompt_hash"), None) and t.get("prompt_hash") is not None]
-        if other:
-            problems.append(Problem("other prompts", str(run.path), f"{len(other)} turn(s) recorded for another prompt "
-                                    "than the baseline's turn of the same question"))
+        problems += pair_findings(run, base)
     return problems
+
+
+def pair_findings(run, base) -> list[Problem]:
+    """What is wrong between a method run and its baseline of the same tag: other settings
+    (never paired), stored exact-match flags the token ids contradict, greedy turns recorded
+    for another prompt than the baseline's (bench report lists the same)."""
+    why = pairing_difference(run.settings, base.settings)
+    if why:
+        return [Problem("unpaired", str(run.path), f"recorded with {why}: not compared with that baseline "
+                        "(no speedup, no exact match)")]
+    found = []
+    wrong = [c for c in metrics.exact_matches(run.turns, base.turns) if c["exact"] != c["stored"]]
+    if wrong:
+        found.append(Problem("flag disagrees", str(run.path), f"{len(wrong)} turn(s) whose stored exact_match the "
+                             "token ids contradict (the reports read the token ids)"))
+    if float((run.settings.get("sampling") or {}).get("temperature", 0.0)) > 0:
+        return found  # sampled: a later turn's prompt holds the earlier sampled replies, its own
+    prompts = {(t["question_id"], t["turn"]): t.get("prompt_hash") for t in base.turns}
+    other = [t for t in run.turns if prompts.get((t["question_id"], t["turn"]), t.get("prompt_hash"))
+             not in (t.get("prompt_hash"), None) and t.get("prompt_hash") is not None]
+    if other:
+        found.append(Problem("other prompts", str(run.path), f"{len(other)} turn(s) recorded for another prompt "
+                             "than the baseline's turn of the same question"))
+    return found
 
 
 def _imported(run) -> bool:

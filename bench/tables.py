@@ -407,22 +407,17 @@ def _base_for(records: Records, run: RunFile) -> RunFile | None:
 
 
 def _check_pairing(records: Records) -> None:
-    """A method run whose baseline (same tag) was recorded with other settings is not paired:
-    named under Missing and partial, its speedup and exact match left blank."""
+    """Each method run against its baseline (same tag) as `bench check` checks it: other settings
+    (not paired), contradicted exact-match flags, greedy turns of another prompt."""
+    from bench.check import pair_findings
+
     for run in records.runs:
         if run.method == BASELINE:
             continue
         base = next((r for r in records.runs + records.superseded if (r.target, r.task, r.tag, r.method) ==
                      (run.target, run.task, run.tag, BASELINE)), None)
-        why = pairing_difference(run.settings, base.settings) if base is not None else None
-        if why:
-            records.problems.append(Problem("unpaired", str(run.path), f"recorded with {why}: not compared "
-                                            "with that baseline (no speedup, no exact match)"))
-        elif base is not None:
-            wrong = sum(c["exact"] != c["stored"] for c in metrics.exact_matches(run.pooled, base.pooled))
-            if wrong:
-                records.problems.append(Problem("flag disagrees", str(run.path), f"{wrong} turn(s) whose stored "
-                                                "exact_match the token ids contradict: the tables read the token ids"))
+        if base is not None:
+            records.problems += pair_findings(run, base)
 
 
 def summarize(records: Records, by: str = "task") -> pd.DataFrame:
