@@ -8,29 +8,12 @@ import sys
 
 import click
 
+from bench.cli_errors import OneLineGroup
 from bench.core.errors import BenchError
 from bench.core.options import option_pairs
 from bench.tune import CANDIDATES
 
 STOPPED_EXIT = 3  # bench train stopped by --stop-after before its last step (resumable, not shipped by make)
-
-
-def one_line_errors(invoke, ctx: click.Context):
-    """Run a click command's invoke with BenchError (bad input) as one line on stderr and exit
-    code 2, and Ctrl-C as the shell's 130 (not click's "Aborted!" and 1)."""
-    try:
-        return invoke(ctx)
-    except BenchError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished work is kept; the same command resumes it", err=True)
-        sys.exit(130)
-
-
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context):
-        return one_line_errors(super().invoke, ctx)
 
 
 def _under_jemalloc() -> None:
@@ -52,7 +35,7 @@ def _under_jemalloc() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "bench.cli", *sys.argv[1:]], env)
 
 
-@click.group(cls=_Group)
+@click.group(cls=OneLineGroup)
 def main() -> None:
     """Speculative decoding benchmark harness."""
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import click
 
+from bench.cli_errors import OneLineCommand
 from bench.core.errors import BenchError
 from bench.core.options import option_pairs
 from bench.records import (
@@ -332,14 +333,7 @@ def run_grid(plan: dict[str, dict], methods: list[str], tag: str, results_dir: s
     return cells
 
 
-class _Command(click.Command):
-    def invoke(self, ctx: click.Context):
-        from bench.cli import one_line_errors
-
-        return one_line_errors(super().invoke, ctx)
-
-
-@click.command(cls=_Command)
+@click.command(cls=OneLineCommand)
 @click.option("--full", is_flag=True, help="every question of every suite, 256 new tokens, tag 'full'")
 @click.option("--tag", default=None, help="record series (default: grid, or full with --full)")
 @click.option("--task", "tasks", multiple=True, help="only these tasks (repeatable)")

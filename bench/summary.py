@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from bench import metrics
+from bench.cli_errors import OneLineCommand
 from bench.core.errors import BenchError
 from bench.records import BASELINE, Problem, pairing_difference, parse_tag, pool_repeats, read_run, record_files
 from bench.tables import RESULTS_README, contended_turns, update_readme
@@ -136,16 +137,7 @@ def format_table(rows: list[dict], tags: bool = False) -> str:
     return "\n".join(lines)
 
 
-class _Command(click.Command):
-    """Bad input: one line on stderr and exit 2, as every `bench` command."""
-
-    def invoke(self, ctx: click.Context):
-        from bench.cli import one_line_errors
-
-        return one_line_errors(super().invoke, ctx)
-
-
-@click.command(cls=_Command)
+@click.command(cls=OneLineCommand)
 @click.option("--results-dir", default="results", show_default=True)
 @click.option("--target", default="smollm2-135m", show_default=True)
 @click.option("--tag", "tags", multiple=True, help="record series (repeatable: one table, a row per tag)")
