@@ -34,6 +34,7 @@ class Arm:
     options: dict[str, str]
     what: str
     default: bool = True  # run when no --arm is named
+    loop: dict[str, str] = field(default_factory=dict)  # the arm's own training-loop flags (e.g. its lr)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ STUDIES: dict[str, Study] = {
             "norm-ones": Arm("dflash", {"norm_init": "ones"}, "the final norm starts at ones", default=False),
             "learned-mask": Arm("dflash", {"learned_mask": "true"}, "the mask input learned", default=False),
             "anchors-512": Arm("dflash", {"anchors": "512"}, "512 anchors, the full vocabulary", default=False),
+            "soft-lr": Arm("dflash", {"labels": "target"}, "soft labels at lr 1e-3 (the loop's other arms: 3e-4)",
+                           default=False, loop={"--lr": "1e-3"}),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
                                         "labels": "target"}, "tap norm, init fixes and soft labels together",
                              default=False),
@@ -85,7 +88,7 @@ def arm_command(study: Study, name: str, steps: int, out: Path) -> list[str]:
     options = {**study.shared, **study.method_options.get(arm.method, {}), **arm.options}
     args = ["train", "--method", arm.method, "--max-steps", str(steps), "--threads", "1", "--out", str(out / name),
             "--export-minutes", "60"]  # the held-out evaluation costs minutes: at the end, and hourly
-    for flag, value in study.loop.items():
+    for flag, value in {**study.loop, **arm.loop}.items():
         args += [flag, value]
     for key, value in options.items():
         args += ["--option", f"{key}={value}"]
@@ -148,7 +151,8 @@ def arm_result(folder: Path, study: Study, name: str) -> dict | None:
     agreement = heldout.get("slot_accuracy") or heldout.get("top1_by_position") or []
     first = heldout.get("first_128", {})
     arm = study.arms[name]
-    return {"method": arm.method, "options": arm.options, "what": arm.what, "steps": training.get("steps"),
+    return {"method": arm.method, "options": arm.options, **({"loop": arm.loop} if arm.loop else {}),
+            "what": arm.what, "steps": training.get("steps"),
             "tokens_seen": training.get("tokens_seen"), "elapsed_s": training.get("elapsed_s"),
             "agreement_by_position": agreement, "first_draft": agreement[0] if agreement else None,
             "predicted_tau": heldout.get("predicted_tau"), "rounds_tau": heldout.get("rounds_tau"),
@@ -158,10 +162,13 @@ def arm_result(folder: Path, study: Study, name: str) -> dict | None:
 
 
 def collect(study_name: str, names: list[str], steps: int, out: Path, target_name: str) -> dict:
-    """The study's record: every arm's result (finished arms only, others named as missing)."""
+    """The study's record: every finished arm's result (the named ones and any other arm that
+    has finished under `out`, so running one more arm keeps the others), the named arms that
+    have not finished listed as missing."""
     from bench.core.provenance import provenance, timestamp
 
     study = STUDIES[study_name]
+    names = [n for n in study.arms if n in names or finished(out / n, steps)]
     arms, missing = {}, []
     for name in names:
         result = arm_result(out / name, study, name) if finished(out / name, steps) else None
