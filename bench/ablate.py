@@ -73,6 +73,9 @@ STUDIES: dict[str, Study] = {
             "norm-ones": Arm("dflash", {"norm_init": "ones"}, "the final norm starts at ones", default=False),
             "learned-mask": Arm("dflash", {"learned_mask": "true"}, "the mask input learned", default=False),
             "anchors-512": Arm("dflash", {"anchors": "512"}, "512 anchors, the full vocabulary", default=False),
+            "anchor-context": Arm("dflash", {"labels": "target", "anchor_context": "true"},
+                                  "soft labels, and every block slot's input adds the context row of a-1 "
+                                  "(EAGLE-1's input)", default=False),
             "soft-lr": Arm("dflash", {"labels": "target"}, "soft labels at lr 1e-3 (the loop's other arms: 3e-4)",
                            default=False, loop={"--lr": "1e-3"}),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",

@@ -420,10 +420,12 @@ def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
     assert set(range(20, 23)) <= set(blocks["anchors"][1].tolist())
 
 
-def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkeypatch):
+@pytest.mark.parametrize("anchor_context", [False, True])
+def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkeypatch, anchor_context):
     """methods/dflash/rounds (bench train's held-out τ, scripts/block_rounds): every round's
     drafts come back from one target pass over the finished turn (each block sees the features
-    strictly before its root), so the replayed rounds are the loop's."""
+    strictly before its root), so the replayed rounds are the loop's; also where every slot's
+    input adds the context row before the root (`anchor_context`)."""
     from methods.dflash import Options, load_model
     from methods.dflash.rounds import chain_drafts, sequence_rounds
     from scripts.mtp_rounds import recorded_rounds
@@ -431,6 +433,7 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkey
     target = default_target
     prompt = prompt_of(target)
     model, _ = load_model(target, "dflash", Options(dtype="float32"))  # the shipped drafter: it accepts some
+    model.config.anchor_context = anchor_context
     size = model.config.drafts_per_block
     drafter = BlockDrafter(target, model, BlockSettings(mode="chain", block=size), "dflash")
     seen, propose = [], drafter.propose
@@ -473,12 +476,13 @@ def test_recipe_deviations_train_decode_losslessly_and_are_probed(default_target
     from methods.dflash.formats import export_drafter
     from methods.dflash.training import train_block
 
-    settings = tiny_training(2, "deviations", tap_norm="true", learned_mask="true", norm_init="ones",
+    settings = tiny_training(2, "deviations", tap_norm="true", learned_mask="true", anchor_context="true",
+                             norm_init="ones",
                              vocab_coverage="0.5", draft_vocab=0)
     train_block(default_target, settings, "dflash")
     manifest = json.loads((settings.out_dir / "drafter.json").read_text())
     arch = manifest["architecture"]
-    assert arch["tap_norm"] and arch["learned_mask"] and 0 < arch["draft_vocab_size"] < 49152
+    assert arch["tap_norm"] and arch["learned_mask"] and arch["anchor_context"] and 0 < arch["draft_vocab_size"] < 49152
     probe = manifest["heldout"]["context_probe"]
     assert set(probe) == {"real", "drop_previous", "anchor_masked", "positions"} and probe["positions"] > 0
     assert all(0 <= probe[k] <= 1 for k in ("real", "drop_previous", "anchor_masked"))

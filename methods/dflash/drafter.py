@@ -134,6 +134,7 @@ class BlockDrafter(Drafter):
         self.last_confidences: list[float] = []
         self.cache = self._new_cache()
         self.pending: list[Tensor] = []
+        self.last_context: Tensor | None = None  # the fused context row of the last committed position
 
     def _new_cache(self) -> KVCache:
         """K/V of the committed context in every drafter layer (the block's own rows are never kept)."""
@@ -156,6 +157,8 @@ class BlockDrafter(Drafter):
         positions = torch.arange(start, start + n, device=self.embed.device)[None]
         context = self.model.context([f.to(self.dtype)[None] for f in self.pending])
         self.cache.append(self.model.context_kv(context, positions))
+        if n:
+            self.last_context = context[:, -1]
         self.pending = []
 
     def _backbone(self, root: int, drafts: int) -> Tensor:
@@ -166,7 +169,8 @@ class BlockDrafter(Drafter):
         first = self.model.config.first_draft_slot
         slots = drafts + first
         start = self.cache.length  # the root's position
-        x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed, slots)
+        x = self.model.block_inputs(torch.tensor([root], device=self.embed.device), self.embed, slots,
+                                    self.last_context)
         positions = torch.arange(start, start + slots, device=self.embed.device)[None]
         views = [self.cache.view(layer) for layer in range(self.model.config.num_layers)]
         return self.model.forward_block(x, positions, views)[0, first:]

@@ -40,7 +40,7 @@ from bench.core.formats import (
     speculators_type,
     write_published,
 )
-from methods.dflash.model import ZLAB, BlockConfig, upgrade_legacy_names, zlab_layer_ids
+from methods.dflash.model import DEVIATIONS, ZLAB, BlockConfig, upgrade_legacy_names, zlab_layer_ids
 
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_KINDS = ("dflash", "dspark")
@@ -252,7 +252,7 @@ def export_drafter(target, folder: Path, fmt: str, out: Path, methods: tuple[str
     if config.convention not in (ZLAB, "sample_from_anchor"):
         raise BenchError(f"drafter {folder} follows our legacy convention (a learned MASK vector, no q/k-norm), "
                          "which no published layout expresses: retrain it (`bench train`)")
-    deviations = [k for k in ("tap_norm", "learned_mask") if getattr(config, k)]
+    deviations = [k for k in DEVIATIONS if getattr(config, k)]
     if deviations:
         raise BenchError(f"drafter {folder} was trained with {' and '.join(deviations)}, which no published layout "
                          "expresses: it runs here only")

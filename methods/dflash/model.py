@@ -54,6 +54,9 @@ ZLAB = "z-lab"  # [anchor, MASK x (B-1)], B-1 drafts, q/k-norm, the target's mas
 ANCHOR_DRAFTS = "sample_from_anchor"  # the same, but the anchor slot drafts too: B drafts (DSpark paper)
 LEGACY = "legacy"  # our drafters before the z-lab convention: anchor drafts, learned MASK vector, no q/k-norm
 
+# The named deviations from z-lab's architecture (BlockConfig); no published layout holds them.
+DEVIATIONS = ("tap_norm", "learned_mask", "anchor_context")
+
 # What a drafter config written before these fields existed followed (absent = old convention).
 LEGACY_DEFAULTS = {"sample_from_anchor": True, "qk_norm": False, "mask_token_id": None}
 
@@ -85,9 +88,12 @@ class BlockConfig:
     # Named deviations from z-lab's recipe (off in every reference; kept where an ablation
     # justified them): an RMSNorm per tap before the fc (the taps' scales differ tenfold on
     # SmolLM2, as EAGLE-3's `fc_norm`), and the mask slots' input as a learned vector that
-    # starts at the target's embedding of mask_token_id (`mask_embed`).
+    # starts at the target's embedding of mask_token_id (`mask_embed`); and `anchor_context`:
+    # every block slot's input adds the fused context row of position a-1, the one EAGLE-1
+    # fuses with the anchor token, instead of reaching it only through attention.
     tap_norm: bool = False
     learned_mask: bool = False
+    anchor_context: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -136,7 +142,7 @@ class BlockConfig:
                 "drafts_per_block": self.drafts_per_block, "taps": list(self.taps), "num_layers": self.num_layers,
                 "draft_vocab_size": self.draft_vocab_size, "markov_rank": self.markov_rank,
                 "enable_confidence_head": self.enable_confidence_head,
-                **{k: True for k in ("tap_norm", "learned_mask") if getattr(self, k)}}
+                **{k: True for k in DEVIATIONS if getattr(self, k)}}
 
 
 def zlab_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -363,9 +369,11 @@ class BlockDraftModel(nn.Module):
             kv.append(((k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)), v))
         return kv
 
-    def block_inputs(self, anchors: Tensor, embed: Tensor, slots: int) -> Tensor:
+    def block_inputs(self, anchors: Tensor, embed: Tensor, slots: int, previous: Tensor | None = None) -> Tensor:
         """[.., slots, d]: the anchor's embedding, then the mask slots' (the target's embedding
-        of mask_token_id, or the learned vector: a legacy drafter's, or `learned_mask`)."""
+        of mask_token_id, or the learned vector: a legacy drafter's, or `learned_mask`).
+        With `anchor_context`, every slot adds `previous` [.., d], the fused context row of
+        position a-1 (zeros where that row is withheld)."""
         dtype = self.fc.weight.dtype
         c = self.config
         first = F.embedding(anchors, embed).to(dtype)
@@ -375,7 +383,12 @@ class BlockDraftModel(nn.Module):
         mask = self.mask_embed if c.learned_mask else embed[c.mask_token_id]
         rest = mask.to(dtype).expand(*anchors.shape, slots - 1, -1)
         x = torch.cat([first.unsqueeze(-2), rest], dim=-2)
-        return x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
+        x = x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
+        if c.anchor_context:
+            if previous is None:
+                raise ValueError("an anchor_context drafter needs the context row of position a-1")
+            x = x + previous.to(dtype).unsqueeze(-2)
+        return x
 
     def forward_block(self, x: Tensor, positions: Tensor, context_kv: list[tuple[Tensor, Tensor]],
                       mask: Tensor | None = None, context_visible: Tensor | None = None,

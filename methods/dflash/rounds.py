@@ -33,7 +33,8 @@ def chain_drafts(model, embed: Tensor, lm_head: Tensor, tokens: Tensor, taps: li
     if full:
         root_ids = torch.tensor([roots[i] for i in full], device=device)
         slots = torch.arange(c.block_size, device=device)
-        x = model.block_inputs(tokens[root_ids][None], embed, c.block_size).flatten(1, 2)
+        previous = context[:, root_ids - 1] if c.anchor_context else None
+        x = model.block_inputs(tokens[root_ids][None], embed, c.block_size, previous).flatten(1, 2)
         positions = (root_ids[:, None] + slots).flatten()[None]
         visible = (torch.arange(n, device=device)[None, :] < root_ids[:, None])[:, None, :].expand(-1, c.block_size, -1)
         hidden = model.forward_block(x, positions, context_kv, context_visible=visible.reshape(1, -1, n))
@@ -43,7 +44,8 @@ def chain_drafts(model, embed: Tensor, lm_head: Tensor, tokens: Tensor, taps: li
     for i, (root, count) in enumerate(zip(roots, drafts)):
         if count != c.drafts_per_block:
             slots = count + first
-            x = model.block_inputs(tokens[root: root + 1], embed, slots)
+            previous = context[:, root - 1] if c.anchor_context else None
+            x = model.block_inputs(tokens[root: root + 1], embed, slots, previous)
             views = [(k[..., :root, :], v[..., :root, :]) for k, v in context_kv]
             hidden = model.forward_block(x, torch.arange(root, root + slots, device=device)[None], views)[:, first:]
             out[i] = _greedy(model, hidden, lm_head, tokens, torch.tensor([root], device=device))[0]

@@ -86,6 +86,7 @@ class BlockTrainSettings:
     # Named deviations from the references' recipe (bench ablate measures each):
     tap_norm: bool = False  # an RMSNorm per tap before the fc (BlockConfig.tap_norm)
     learned_mask: bool = False  # the mask slots' input learned, from the target's mask-token row
+    anchor_context: bool = False  # every block slot's input adds the context row of a-1 (BlockConfig)
     # The final norm's start: "target" copies the target's final norm (the shared lm_head's
     # scale); "ones", as the references (their drafter's norm starts at ones).
     norm_init: str = "target"
@@ -172,7 +173,12 @@ class BlockObjective:
         context = model.context([batch[f"h{t}"] for t in c.taps])
         context_kv = model.context_kv(context, torch.arange(width, device=context.device)[None].expand(size, -1))
         anchor_tokens = torch.gather(batch["tokens"], 1, blocks["anchors"])
-        x = model.block_inputs(anchor_tokens, self.embed, c.block_size)
+        previous = None
+        if c.anchor_context:  # row a-1 of the fused context; zeros where the probe withholds it
+            rows = (blocks["anchors"] - 1).clamp(min=0)
+            previous = torch.gather(context, 1, rows[..., None].expand(-1, -1, context.shape[-1]))
+            previous = previous * 0 if hide else previous
+        x = model.block_inputs(anchor_tokens, self.embed, c.block_size, previous)
         if mask_anchor:
             x = torch.cat([x[..., 1:2, :], x[..., 1:, :]], dim=-2)
         x = x.flatten(1, 2)
@@ -431,7 +437,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
                                     markov_rank=train_settings.markov_rank,
                                     enable_confidence_head=train_settings.enable_confidence_head,
                                     confidence_head_with_markov=train_settings.confidence_head_with_markov,
-                                    tap_norm=train_settings.tap_norm, learned_mask=train_settings.learned_mask)
+                                    tap_norm=train_settings.tap_norm, learned_mask=train_settings.learned_mask,
+                                    anchor_context=train_settings.anchor_context)
     torch.manual_seed(settings.seed)
     model = BlockDraftModel(config)
     if draft_vocab:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 # of its scaling runs, so the copies kept before and the drafter exported after agree).
 LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False,
                                      "fc_norm": False, "group_by_length": False, "tap_norm": False,
-                                     "learned_mask": False, "norm_init": "target", "vocab_coverage": 0.0}
+                                     "learned_mask": False, "anchor_context": False,
+                                     "norm_init": "target", "vocab_coverage": 0.0}
 
 
 def without_later_defaults(settings: dict) -> dict:
