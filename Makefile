@@ -35,7 +35,7 @@ lint: $(STAMP)
 peers: $(STAMP)
 	$(BIN)/python -m scripts.peers --pairs ar-hf --task mtbench --limit 5 --max-new-tokens 128 --repeats 3
 
-# Tables, figures and plots/report.html from the kept records (`make report TAG=s2`: one series).
+# Tables, figures and plots/report.html from the kept records (`make report TAG=grid-amx`: one series).
 TAG ?=
 report: $(STAMP)
 	$(BIN)/bench report --out plots $(if $(TAG),--tag $(TAG))
@@ -204,7 +204,7 @@ block-sweep: $(STAMP)
 
 # tau and speedup against the draft budget (--budget K: draft tokens verified per round) for every
 # method that drafts, K in BUDGETS, on HumanEval (first BUDGET_LIMIT questions), then the report
-# (its tau-vs-budget figure) in plots/budget/.
+# (its tau-vs-budget figure). The tree keeps neither its records nor its page (results/ARCHIVE.md).
 BUDGETS ?= 2 4 8 16
 BUDGET_LIMIT ?= 3
 BUDGET_TOKENS ?= 64
@@ -233,7 +233,8 @@ load-sweep: $(STAMP)
 # "Speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
 # its drafts replaced by the AR baseline's own tokens at per-node acceptance a in ORACLE_ACCEPTS
 # (`--option oracle_accept=a`, bench.core.oracle: the method's real draft cost and tree shape),
-# tag oracle<a>, and once with its real drafter (tag oracle-real); then plots/oracle/report.html.
+# tag oracle<a>, and once with its real drafter (tag oracle-real); then the report (figure "speedup at
+# tau"). The tree keeps neither its records nor its page (results/ARCHIVE.md).
 ORACLE_ACCEPTS ?= 0.5 0.7 0.85 1.0
 ORACLE_LIMIT ?= 3
 ORACLE_TOKENS ?= 128
@@ -280,7 +281,7 @@ EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option 
 # instead of 512 (feature_tokens 6.5M; the distilled data runs out first, at 6.24M, against 4.37M), 3 epochs (its scaling line
 # put τ 3.0 on MT-bench at ~16.6M trained tokens), a copy kept at the shipped 2-epoch run's 6.34M; batches
 # grouped by length (random batches of 4 at 1024 tokens are ~28% padding). The shipped head ran 3 epochs, then
-# was lengthened to 4 on resume (EAGLE3_EPOCHS=4: its cosine restarted from step 7,665; results/README); a run
+# was lengthened to 4 on resume (EAGLE3_EPOCHS=4: its cosine restarted from step 7,665; README.md's drafter table); a run
 # from scratch at 4 has one cosine over the 4 epochs.
 EAGLE3_EPOCHS ?= 4
 SCALE_SIZE_eagle3 := --option feature_tokens=6500000 --epochs $(EAGLE3_EPOCHS)

@@ -6,7 +6,8 @@ on the grid's own turns, beside the rounds the decode loop recorded for those tu
 Replaying a recorded turn should give the loop's rounds (up to numerics: the loop's features
 come from k-token verify passes, here from one prefill). What separates the held-out prediction
 (the product of per-slot agreements) from the grid is then where rounds start, a reply's opening
-and the grid's questions, as for MTP, Medusa and SpS (results/README.md).
+and the grid's questions, as for MTP, Medusa and SpS (their records are retired from the tree:
+results/ARCHIVE.md).
 
     python -m scripts.block_rounds --tag grid-amx --task mtbench --task humaneval --task gsm8k --task specbench
 """

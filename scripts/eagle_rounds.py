@@ -8,7 +8,7 @@ held-out conversations (the feature cache's last ones, which it never trained on
 cut to each reply's first 128 tokens as the grid's turns are. The grid drafts a tree, which
 accepts more than the chain; the chain's replay says how much of the gap between the product of
 per-step agreements and the grid is where rounds start and a reply's opening, as for MTP,
-Medusa, SpS and DFlash (results/README.md).
+Medusa, SpS and DFlash (their records are retired from the tree: results/ARCHIVE.md).
 
     python -m scripts.eagle_rounds --method eagle3 --heldout 200
 """
