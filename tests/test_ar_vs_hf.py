@@ -35,6 +35,7 @@ def _check_suite(task: str, limit: int, max_new_tokens: int, tmp_path, default_t
             pytest.fail(f"{task} {turn['question_id']} turn {turn['turn']}: AR differs from HF at {divergence}")
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("task", ["mtbench", "humaneval", "gsm8k", "specbench"])
 def test_ar_equals_hf_generate(task, tmp_path, default_target):
     _check_suite(task, limit=1, max_new_tokens=16, tmp_path=tmp_path, default_target=default_target)

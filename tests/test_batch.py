@@ -54,6 +54,7 @@ def fp32_ar_replies(default_target):
     return _ar_replies(default_target)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method", LOSSLESS)
 def test_batched_fp32_greedy_replies_equal_batch1_ar_up_to_near_ties(method, default_target, fp32_ar_replies,
                                                                      one_thread):
@@ -111,6 +112,7 @@ def test_a_batch_the_memory_cannot_hold_is_a_clear_error(bf16_target):
         TargetBatch(bf16_target.engine, 10**7, 4096)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method", ["ar", "pld", "specinfer", "eagle3", "dflash"])
 def test_batched_sampling_draws_what_batch1_draws(method, bf16_target, one_thread):
     """At temperature 1 each request, with its own generator, samples exactly the tokens it
@@ -155,6 +157,7 @@ def test_bench_run_batch_size_records_exact_batched_turns(tiny_task, tmp_path, o
     assert refused.exit_code == 2 and "cannot decode batched" in refused.output
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_load_figure_from_runs_at_two_batch_sizes(tiny_task, tmp_path, one_thread):
     from click.testing import CliRunner
 

@@ -37,6 +37,7 @@ def kernels(request):
     return built_or_skip(request.param)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here")
 @pytest.mark.parametrize("tier", list(cpu_kernels.TIERS))
 def test_every_tier_compiles_on_any_host(tier):
@@ -222,6 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
 """
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here")
 def test_a_build_killed_midway_does_not_wedge_the_next(tmp_path, monkeypatch):
     """kill -9 during the build (torch's own `lock` file left behind, as a killed build leaves

@@ -116,6 +116,7 @@ def test_block_diagonal_attention_is_sdpa_with_the_block_mask():
     assert torch.allclose(got, reference, atol=1e-12)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("mode", ["chain", "tree", "scheduled"])
 def test_untrained_block_drafters_are_lossless(default_target, one_thread, mode):
     target = default_target
@@ -238,6 +239,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
     return make
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, method):
     import bench.registry as registry
@@ -310,6 +312,7 @@ def test_calibration_metrics():
     assert pairs["conditional"] == [(1, 0.9, 1), (2, 0.5, 0)]  # slot 3 was never reached
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_dspark_confidence_label_greedy_trains_and_bad_labels_are_refused(default_target, tiny_training, one_thread):
     """The confidence head can learn greedy acceptance (what T=0 verification keeps), the
     sampled one (1 - TV) or their mean; anything else is one line."""
@@ -362,6 +365,7 @@ def test_block_ce_labels_are_the_data_tokens_or_the_target_distribution(default_
         train_block(default_target, tiny_training(1, "dflash-bad", labels="soft"), "dflash")
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("dspark", [False, True])
 def test_the_loss_in_row_chunks_equals_the_loss_at_once(default_target, dspark):
     """loss_chunk_rows computes the loss over the scored slots a chunk at a time (each chunk's
@@ -420,6 +424,7 @@ def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
     assert set(range(20, 23)) <= set(blocks["anchors"][1].tolist())
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("anchor_context", [False, True])
 def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkeypatch, anchor_context):
     """methods/dflash/rounds (bench train's held-out τ, scripts/block_rounds): every round's
@@ -467,6 +472,7 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkey
     assert rounds == recorded_rounds({"accept_lengths": result.accept_lengths}) and rounds[1] > 0
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_recipe_deviations_train_decode_losslessly_and_are_probed(default_target, tiny_training, one_thread):
     """The ablation's named deviations (a norm per tap, a learned mask input, the final norm at
     ones, a draft vocabulary sized by coverage) reach the drafter config, decode losslessly,

@@ -51,6 +51,7 @@ def tiny_distill(tmp_path, monkeypatch, default_target):
     return settings
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_replies_are_the_targets_greedy_tokens_turn_by_turn(tiny_distill, default_target, hf_model):
     torch.manual_seed(0)
     data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False)
@@ -105,6 +106,7 @@ def test_distill_stops_once_enough_reply_tokens_exist(tiny_distill, default_targ
     assert f"{data.folder}: 1/2 shards, {data.reply_tokens} reply tokens" in status and "reply tok/s" in status
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_sps_draft_lm_trains_on_the_distilled_replies(tiny_distill, default_target, tmp_path, one_thread):
     """`bench train --method sps --option self_distill=true`: the draft LM's examples are the
     distilled conversations, with exactly the target's own reply tokens as targets."""
@@ -129,6 +131,7 @@ def test_sps_draft_lm_trains_on_the_distilled_replies(tiny_distill, default_targ
     assert manifest["training"]["tokens_seen"] == summary["tokens_seen"] > 0
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_a_killed_run_keeps_its_finished_conversations(tiny_distill, default_target, monkeypatch, tmp_path):
     """Conversations that finished before a kill are journaled and not generated again;
     the shard comes out as an uninterrupted run's."""

@@ -40,6 +40,7 @@ def test_tree_from_accuracy_picks_the_best_paths():
     assert all(p[:-1] in paths for p in paths if len(p) > 1)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_untrained_heads_are_lossless(default_target, one_thread, kind):
     target = default_target
@@ -111,6 +112,7 @@ def tiny_training(default_target, tmp_path, monkeypatch):
     return make
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("kind,method", [("eagle1", "eagle"), ("eagle3", "eagle3")])
 def test_training_resumes_and_the_drafter_loads(default_target, tiny_training, one_thread, kind, method):
     import bench.registry as registry
@@ -226,6 +228,7 @@ def test_draft_vocabulary_sized_by_coverage():
     assert vocabulary_for_coverage(tokens, mask, 16, 1.0) == 4
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_shared_lm_head_is_the_targets_rows_frozen_and_not_stored(default_target, tiny_training, one_thread, tmp_path):
     """`--option shared_lm_head=true` (EAGLE-3): the head projects with the target's
     lm_head rows at its draft vocabulary; they stay frozen, the file omits them, and the
@@ -348,6 +351,7 @@ def test_fr_spec_drafts_only_frequent_tokens_and_stays_lossless(default_target, 
         registry.build_decoder("eagle3", target, {"draft_vocab": 512})
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_taps_and_fc_norm_options_and_old_checkpoints_still_resume(default_target, tiny_training, one_thread):
     """`--option taps=2,15,30` and `--option fc_norm=true` (EAGLE-3, named options): the head
     fuses those layers, each RMS-normed before fc, and the drafter reads both back; left at
@@ -384,6 +388,7 @@ def test_taps_and_fc_norm_options_and_old_checkpoints_still_resume(default_targe
             train_eagle(default_target, eagle1, "eagle1", "eagle")
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method,loop,kind", [("eagle3", "eagle3", "eagle3"), ("eagle", "eagle2", "eagle1")])
 def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method, loop, kind, monkeypatch):
     """rank_accuracy's replay: the head's unrolled pass over a turn (EAGLE-3's TTT pass; EAGLE-1
@@ -432,6 +437,7 @@ def test_chain_rounds_replay_the_loops_rounds(default_target, one_thread, method
         round(sum(a > 0 for a in accepted) / len(accepted), 4)), (replay, accepted)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on a CPU needs a C++ compiler")
 def test_compiled_training_step_trains_the_same_head(default_target, one_thread, tmp_path, monkeypatch):
     """`bench train --compile`: EAGLE-3's training-time-test layer step, scoring and teacher

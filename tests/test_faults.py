@@ -88,6 +88,7 @@ def records(tmp: Path, results: str, method: str) -> Path:
     return next((tmp / results).glob(f"*/tiny*/{method}.jsonl"))
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("point", list(KILLERS))
 def test_a_run_killed_anywhere_resumes_to_the_same_tokens(clean, point):
     killed = bench(clean, run_args(clean, point), KILLERS[point])

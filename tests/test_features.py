@@ -18,6 +18,7 @@ def cache(default_target, tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_features_equal_a_fresh_forward_and_resume(default_target, cache, one_thread, monkeypatch):
     data = FeatureData(max_tokens=1200, max_len=256)
     store = ensure_features(default_target, (2, 30), data, progress=False)
@@ -52,6 +53,7 @@ def test_features_equal_a_fresh_forward_and_resume(default_target, cache, one_th
         extended.load((9,))
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_an_interruption_between_syncs_redoes_only_the_shards_not_yet_made_durable(
         default_target, cache, one_thread, monkeypatch):
     """Shards are fsync'd and listed in the index in groups (SYNC_EVERY_S): killed mid-group,

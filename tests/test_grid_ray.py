@@ -84,6 +84,7 @@ def turns(results: Path) -> dict:
     return found
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_ray_grid_matches_the_in_process_grid_and_resumes(ray_head, tmp_path, tiny_task, one_thread):
     plan = {str(tiny_task): {}}
 

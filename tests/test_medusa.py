@@ -203,6 +203,7 @@ class CheckedMedusa(MedusaDrafter):
         return super().propose(state)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_greedy_decode_reproduces_ar_on_the_default_target(default_target, tmp_path, one_thread):
     folder = save_ours(tmp_path / "ours", default_target, random_heads(default_target.config.hidden_size))
     decoder = build(default_target, {"drafter": str(folder)})
@@ -482,6 +483,7 @@ def test_bad_training_options(tiny_target, tmp_path):
             medusa.train(tiny_target, settings)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_default_tree_is_sized_for_the_device(default_target, tmp_path, one_thread):
     accuracy = [[0.6, 0.75, 0.8], [0.4, 0.5, 0.55], [0.2, 0.3, 0.35]]  # per head, top-1..3 cumulative
     folder = save_ours(tmp_path / "ours", default_target, random_heads(default_target.config.hidden_size, 3),

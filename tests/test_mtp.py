@@ -213,6 +213,7 @@ def test_simulated_rounds_replay_the_decode_loop(default_target, prompt, one_thr
 @pytest.mark.parametrize("variant,depth,dtype", [
     ("sequential", 4, torch.float32), ("sequential", 1, torch.bfloat16),
     ("parallel", 3, torch.float32), ("parallel", 2, torch.bfloat16)])
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_greedy_equals_ar_on_real_target(default_target, prompt, reference, one_thread, variant, depth, dtype):
     drafter = drafter_for(default_target, variant, depth, dtype=dtype)
     result = decode(default_target.engine, drafter, prompt, DecodeConfig(max_new_tokens=NEW_TOKENS))
@@ -284,6 +285,7 @@ def test_parallel_heads_accept_and_match_recompute(default_target, prompt, refer
     assert torch.allclose(drafter.caches[2].k[..., :length, :], cache.k[..., :length, :], atol=1e-3)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("variant", ["sequential", "parallel"])
 def test_sampled_drafts_record_q(default_target, prompt, one_thread, variant):
     sampling = SamplingConfig(temperature=0.8, top_k=50)

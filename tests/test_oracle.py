@@ -21,6 +21,7 @@ def _prompt(target) -> list[int]:
     return chat_prompt(target.tokenizer, [{"role": "user", "content": question}])
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method", DRAFTING)
 def test_oracle_acceptance_is_exact_and_accepts_what_it_decides(default_target, one_thread, method):
     config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(0.0),

@@ -50,6 +50,7 @@ def test_verify_latency_rows_and_cache_rollback(one_thread):
     assert "compute-bound 16-token pass" in format_profile(profile)
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_bench_profile_stores_a_record(tmp_path, one_thread, monkeypatch):
     import json
 

@@ -77,6 +77,7 @@ def test_padding_rows_reach_no_real_row_and_graph_buffers_are_not_aliased(engine
     assert not clean.isnan().any()  # clean still holds its own values
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("method", ["pld", "specinfer", "eagle3", "dflash", "ddtree"])
 def test_methods_on_the_static_path_stay_exact(method, engines, default_target, one_thread):
     """Greedy fp32 decoding through static passes reproduces AR (the engine's one-token

@@ -578,6 +578,7 @@ def test_bench_ship_without_a_trained_drafter_is_one_line(tmp_path):
     assert CliRunner().invoke(main, ["ship", "--method", "pld"]).exit_code != 0  # nothing to ship
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_bench_ship_says_when_a_user_trained_drafter_would_shadow_the_shipped_one(tmp_path, monkeypatch):
     """Runs load the user-trained drafter before the shipped one, so shipping another folder
     while one sits there would leave every run on the older drafter: ship says so."""

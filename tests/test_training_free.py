@@ -75,6 +75,7 @@ def greedy_baseline(default_target):
     return config, [(p, decode(default_target.engine, Drafter(), p, config)) for p in _prompts(default_target)]
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("drafter", [PromptLookupDrafter(), LookaheadDrafter()], ids=["pld", "lookahead"])
 def test_greedy_decoding_reproduces_the_baseline(drafter, default_target, greedy_baseline):
     config, baselines = greedy_baseline

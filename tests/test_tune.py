@@ -68,6 +68,7 @@ def _prompt(target, text="Count from one to five."):
     return chat_prompt(target.tokenizer, [{"role": "user", "content": text}])
 
 
+@pytest.mark.slow  # the slow tier (make test-slow)
 def test_tune_keeps_every_candidate_and_auto_runs_at_the_best(default_target, tmp_path, tiny_task, one_thread):
     path = tune(default_target, ["pld"], [_prompt(default_target)], tmp_path, budgets=(2, 3), max_new_tokens=12,
                 echo=lambda line: None)
