@@ -76,6 +76,9 @@ STUDIES: dict[str, Study] = {
             "anchor-context": Arm("dflash", {"labels": "target", "anchor_context": "true"},
                                   "soft labels, and every block slot's input adds the context row of a-1 "
                                   "(EAGLE-1's input)", default=False),
+            "anchor-both": Arm("dflash", {"labels": "target", "anchor_context": "true", "anchor_embedding": "true"},
+                               "anchor-context, and every mask slot's input adds the anchor's embedding too "
+                               "(EAGLE-1's whole input in every slot)", default=False),
             "soft-lr": Arm("dflash", {"labels": "target"}, "soft labels at lr 1e-3 (the loop's other arms: 3e-4)",
                            default=False, loop={"--lr": "1e-3"}),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",

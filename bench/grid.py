@@ -48,6 +48,8 @@ from bench.records import (
     identity_of,
     records_path,
     revision_tag,
+    split_repeat,
+    split_revision,
     stored_file,
 )
 from bench.tune import AUTO, check_tuned_drafter, parse_budget, tuned_budget
@@ -101,15 +103,31 @@ def cell_paths(results_dir: str | Path, target: str, task: str, method: str, tag
 
 def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag: str, wanted: dict,
                base_wanted: dict) -> str:
-    """The first revision of `tag` whose existing files (method and baseline) were recorded
-    with exactly the settings this run would record, or that do not exist yet."""
-    revision = 1
-    while True:
+    """The first kept revision of `tag` whose files (method and baseline) were recorded with
+    exactly the settings this run would record (a missing one of the two is run), else the
+    revision after the newest kept one. A revision of which neither file is kept (retired
+    from results/, results/ARCHIVE.md) is skipped, not reused: a cell run into it would sit
+    below the newest revision, which is the one reports read."""
+    def kept(revision: int) -> list[bool]:
+        paths = cell_paths(results_dir, target, task, method, revision_tag(tag, revision))
+        return [has_records(path) for path in paths]
+
+    folder = records_path(Path(results_dir), target, task, method, tag).parent
+    newest = 1
+    for name in (method, BASELINE):
+        for path in folder.glob(f"{name}-{tag}*.jsonl*"):
+            series, revision = split_revision(split_repeat(path.name[len(name) + 1:].split(".jsonl")[0])[0])
+            if series == tag:
+                newest = max(newest, revision)
+    for revision in range(1, newest + 1):
+        exists = kept(revision)
+        if not any(exists) and revision < newest:
+            continue
         candidate = revision_tag(tag, revision)
-        pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted))
-        if all(not has_records(path) or _same(_first_settings(path), settings) for path, settings in pairs):
+        pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted), exists)
+        if all(not there or _same(_first_settings(path), settings) for path, settings, there in pairs):
             return candidate
-        revision += 1
+    return revision_tag(tag, newest + 1)
 
 
 def _done_keys(path: Path) -> set[tuple[str, int]]:

@@ -438,7 +438,7 @@ def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkey
     target = default_target
     prompt = prompt_of(target)
     model, _ = load_model(target, "dflash", Options(dtype="float32"))  # the shipped drafter: it accepts some
-    model.config.anchor_context = anchor_context
+    model.config.anchor_context = model.config.anchor_embedding = anchor_context
     size = model.config.drafts_per_block
     drafter = BlockDrafter(target, model, BlockSettings(mode="chain", block=size), "dflash")
     seen, propose = [], drafter.propose
@@ -483,12 +483,14 @@ def test_recipe_deviations_train_decode_losslessly_and_are_probed(default_target
     from methods.dflash.training import train_block
 
     settings = tiny_training(2, "deviations", tap_norm="true", learned_mask="true", anchor_context="true",
+                             anchor_embedding="true",
                              norm_init="ones",
                              vocab_coverage="0.5", draft_vocab=0)
     train_block(default_target, settings, "dflash")
     manifest = json.loads((settings.out_dir / "drafter.json").read_text())
     arch = manifest["architecture"]
-    assert arch["tap_norm"] and arch["learned_mask"] and arch["anchor_context"] and 0 < arch["draft_vocab_size"] < 49152
+    assert arch["tap_norm"] and arch["learned_mask"] and arch["anchor_context"] and arch["anchor_embedding"]
+    assert 0 < arch["draft_vocab_size"] < 49152
     probe = manifest["heldout"]["context_probe"]
     assert set(probe) == {"real", "drop_previous", "anchor_masked", "positions"} and probe["positions"] > 0
     assert all(0 <= probe[k] <= 1 for k in ("real", "drop_previous", "anchor_masked"))

@@ -456,3 +456,31 @@ def test_a_method_is_paired_only_with_a_baseline_of_the_same_settings():
     assert "max_new_tokens 16" in pairing_difference(dict(method, max_new_tokens=16), dict(SETTINGS, dtype="bfloat16"))
     assert "dtype" in pairing_difference(method, dict(SETTINGS, dtype="float32"))
     assert "batch_size" in pairing_difference(dict(method, batch_size=4), dict(SETTINGS, dtype="bfloat16"))
+
+
+def test_the_grid_picks_a_matching_revision_and_never_reuses_a_retired_one(tmp_path):
+    """A cell runs into the first kept revision recorded with its settings, else after the
+    newest kept one; a revision whose files were retired (none kept) is skipped, since a cell
+    run into it would sit below the newest revision the reports read."""
+    from bench.grid import choose_tag
+    from bench.records import records_path
+
+    def settings(method, tokens):
+        return {"method": method, "task": "t", "target": "m", "max_new_tokens": tokens, "sampling": {},
+                "seed": 0, "device": "cpu", "dtype": "float32", "method_options": {}, "lossless": True}
+
+    def keep(method, tag, tokens):
+        path = records_path(tmp_path, "m", "t", method, tag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"type": "header", "settings": settings(method, tokens)}) + "\n")
+
+    def pick(tokens):
+        return choose_tag(tmp_path, "m", "t", "pld", "grid", settings("pld", tokens), settings("ar", tokens))
+
+    assert pick(8) == "grid"  # nothing kept yet
+    keep("pld", "grid", 8), keep("ar", "grid", 8)
+    assert pick(8) == "grid" and pick(16) == "grid.r2"
+    keep("pld", "grid.r3", 16), keep("ar", "grid.r3", 16)  # r2 retired (or never kept)
+    assert pick(16) == "grid.r3" and pick(32) == "grid.r4"
+    keep("ar", "grid.r5.rep2", 64)  # a repeat of r5 names r5 the newest: r4 is a gap below it now
+    assert pick(32) == "grid.r5"

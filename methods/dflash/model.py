@@ -55,7 +55,7 @@ ANCHOR_DRAFTS = "sample_from_anchor"  # the same, but the anchor slot drafts too
 LEGACY = "legacy"  # our drafters before the z-lab convention: anchor drafts, learned MASK vector, no q/k-norm
 
 # The named deviations from z-lab's architecture (BlockConfig); no published layout holds them.
-DEVIATIONS = ("tap_norm", "learned_mask", "anchor_context")
+DEVIATIONS = ("tap_norm", "learned_mask", "anchor_context", "anchor_embedding")
 
 # What a drafter config written before these fields existed followed (absent = old convention).
 LEGACY_DEFAULTS = {"sample_from_anchor": True, "qk_norm": False, "mask_token_id": None}
@@ -90,10 +90,12 @@ class BlockConfig:
     # SmolLM2, as EAGLE-3's `fc_norm`), and the mask slots' input as a learned vector that
     # starts at the target's embedding of mask_token_id (`mask_embed`); and `anchor_context`:
     # every block slot's input adds the fused context row of position a-1, the one EAGLE-1
-    # fuses with the anchor token, instead of reaching it only through attention.
+    # fuses with the anchor token, instead of reaching it only through attention; and
+    # `anchor_embedding`: every mask slot's input adds the anchor token's embedding too.
     tap_norm: bool = False
     learned_mask: bool = False
     anchor_context: bool = False
+    anchor_embedding: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -373,7 +375,8 @@ class BlockDraftModel(nn.Module):
         """[.., slots, d]: the anchor's embedding, then the mask slots' (the target's embedding
         of mask_token_id, or the learned vector: a legacy drafter's, or `learned_mask`).
         With `anchor_context`, every slot adds `previous` [.., d], the fused context row of
-        position a-1 (zeros where that row is withheld)."""
+        position a-1 (zeros where that row is withheld); with `anchor_embedding`, every mask
+        slot adds the anchor's embedding."""
         dtype = self.fc.weight.dtype
         c = self.config
         first = F.embedding(anchors, embed).to(dtype)
@@ -382,6 +385,8 @@ class BlockDraftModel(nn.Module):
             return torch.cat([first.unsqueeze(-2), rest.to(dtype)], dim=-2)
         mask = self.mask_embed if c.learned_mask else embed[c.mask_token_id]
         rest = mask.to(dtype).expand(*anchors.shape, slots - 1, -1)
+        if c.anchor_embedding:
+            rest = rest + first.unsqueeze(-2)
         x = torch.cat([first.unsqueeze(-2), rest], dim=-2)
         x = x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
         if c.anchor_context:

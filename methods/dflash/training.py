@@ -87,6 +87,7 @@ class BlockTrainSettings:
     tap_norm: bool = False  # an RMSNorm per tap before the fc (BlockConfig.tap_norm)
     learned_mask: bool = False  # the mask slots' input learned, from the target's mask-token row
     anchor_context: bool = False  # every block slot's input adds the context row of a-1 (BlockConfig)
+    anchor_embedding: bool = False  # every mask slot's input adds the anchor's embedding (BlockConfig)
     # The final norm's start: "target" copies the target's final norm (the shared lm_head's
     # scale); "ones", as the references (their drafter's norm starts at ones).
     norm_init: str = "target"
@@ -178,6 +179,8 @@ class BlockObjective:
             rows = (blocks["anchors"] - 1).clamp(min=0)
             previous = torch.gather(context, 1, rows[..., None].expand(-1, -1, context.shape[-1]))
             previous = previous * 0 if hide else previous
+        if mask_anchor and c.anchor_embedding:  # the anchor token gone from every slot, not only slot 0
+            anchor_tokens = torch.full_like(anchor_tokens, c.mask_token_id)
         x = model.block_inputs(anchor_tokens, self.embed, c.block_size, previous)
         if mask_anchor:
             x = torch.cat([x[..., 1:2, :], x[..., 1:, :]], dim=-2)
@@ -438,7 +441,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
                                     enable_confidence_head=train_settings.enable_confidence_head,
                                     confidence_head_with_markov=train_settings.confidence_head_with_markov,
                                     tap_norm=train_settings.tap_norm, learned_mask=train_settings.learned_mask,
-                                    anchor_context=train_settings.anchor_context)
+                                    anchor_context=train_settings.anchor_context,
+                                    anchor_embedding=train_settings.anchor_embedding)
     torch.manual_seed(settings.seed)
     model = BlockDraftModel(config)
     if draft_vocab:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # of its scaling runs, so the copies kept before and the drafter exported after agree).
 LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False,
                                      "fc_norm": False, "group_by_length": False, "tap_norm": False,
-                                     "learned_mask": False, "anchor_context": False,
+                                     "learned_mask": False, "anchor_context": False, "anchor_embedding": False,
                                      "norm_init": "target", "vocab_coverage": 0.0}
 
 
