@@ -49,8 +49,8 @@ report: $(STAMP)
 # `grid-auto`, beside the grid in the report: --tuned-tag); the sampled series: every method at
 # temperature 1 (tag `grid-t1`, report in plots/sampled/), and the load sweep (make load-sweep, tags
 # load<B>), drawn in plots/report.html beside the grid (--load-tag); the tree methods at their references'
-# draft sizes (make paper-draft, tag paper-draft), whose τ goals the report checks beside the grid's,
-# as it does MTP's parallel variant's (make mtp-parallel, where its training folder is here).
+# draft sizes (make paper-draft, tag paper-draft), and MTP's parallel variant (make mtp-parallel,
+# where its training folder is here).
 GRID_TAG := $(if $(filter 1,$(FULL)),full,grid)
 REPEATS ?= 1
 all-results: $(STAMP)
@@ -154,8 +154,8 @@ frspec: $(STAMP)
 # The tree methods at their references' default draft sizes, where this CPU's defaults are smaller
 # (tag paper-draft, the grid's suites): Medusa at the size of MD's mc_sim_7b_63 (63 nodes), EAGLE-1
 # at the same (EA's EAGLE-1 verified that tree), EA's dynamic trees for EAGLE-2 (total_token 60,
-# depth 5, top_k 10) and EAGLE-3 (60, 7, 10). A draft's shape bounds τ, so the report checks the τ
-# goals here too; the speedups say what such a tree costs on this CPU (results/README.md's block).
+# depth 5, top_k 10) and EAGLE-3 (60, 7, 10). A draft's shape bounds τ; the speedups say what such a
+# tree costs on this CPU (results/README.md's block).
 PAPER_DRAFT := $(BIN)/python -m bench.grid --tag paper-draft
 paper-draft: $(STAMP)
 	$(PAPER_DRAFT) --method medusa --option tree_size=63
@@ -253,7 +253,7 @@ oracle-sweep: $(STAMP)
 # has rank 32). The features of every method's taps are extracted first in one target pass
 # (2,15,27,28,30: 5.1 GB per tap at the 4.37M tokens 5M gives; a cache grows, so a smaller run's
 # cache is the start of this one). EAGLE-3, DFlash, MTP, Medusa and SpS keep copies at 0.2M and 1M
-# trained tokens for the scaling figure and the goals' fits (`make scaling-runs`). Each method is
+# trained tokens for the scaling figure and its fits (`make scaling-runs`). Each method is
 # shipped as soon as its training ends, so a queue cut short by a session's end keeps what it
 # finished. SCALE_TRAIN picks the methods and their order: on a 2-core
 # CPU two queues side by side, one thread each, e.g. `make train-at-scale SCALE_TRAIN="eagle3 mtp"
@@ -317,7 +317,7 @@ train-at-scale: $(SETUP)
 	  $(if $(filter $(SCALE_UNSHIPPED),$(m)),,$(BENCH) ship --method $(m) --drafter $(SCALE_OUT)/$(m) &&)) true
 
 # The scaling figure's runs: the drafters `bench train --keep-at` kept, and the final ones, of
-# SCALE_METHODS on SCALE_TASKS (default MT-bench and HumanEval; the goals' fits need the goal's task,
+# SCALE_METHODS on SCALE_TASKS (default MT-bench and HumanEval;
 # e.g. SCALE_TASKS="gsm8k" for DFlash's), each under the tag scale-<tokens>-<run>, and their report in
 # plots/scaling/ beside the series SCALE_COMPARE (the drafters shipped before, run the same way).
 SCALE_METHODS ?= eagle3 dflash

@@ -499,13 +499,13 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
 @click.option("--out", "out_dir", default="plots", show_default=True, help="folder for report.html, figures/, tables/")
 @click.option("--readme", is_flag=True,
               help="also rewrite the generated blocks: the headline in README.md, the references in results/README.md, "
-                   "and the drafters, profile, tuned, revisions and goals blocks where their markers are")
+                   "and the drafters, profile, tuned and revisions blocks where their markers are")
 @click.option("--load-tag", "load_tags", multiple=True,
               help="a load sweep's series (make load-sweep: load1, load2, ...) drawn in the load figure only, "
                    "beside the selection's tables (repeatable)")
 @click.option("--tuned-tag", "tuned_tags", multiple=True,
               help="the grid at each method's tuned budget (python -m bench.grid --budget auto: grid-auto), "
-                   "shown beside the selection and in the speedup goals (repeatable)")
+                   "shown beside the selection (repeatable)")
 def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tags, tuned_tags) -> None:
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path

@@ -141,17 +141,6 @@ def _revisions(records: Records) -> str:
             + "<h3>Per task</h3>" + _table(display_revisions(frame)))
 
 
-def _goals(goals: pd.DataFrame) -> str:
-    """The goals (bench/goals.py) are stated for a series run at the grid's suites and settings (the grid's,
-    or one machine's: `make machine-series`): a report without one has no such section."""
-    return ("<p>The drafters' goals against this report's greedy series at the grid's suites and settings, per "
-            "task. A missed τ goal gives the "
-            "tokens at which the line fitted to the scaling runs (<code>make scaling-runs</code>) reaches it, an "
-            "extrapolation, not a promise. The CPU decode path's goals are checked per kept two-thread bf16 "
-            "hardware profile (<code>bench profile</code>; its file in the task column).</p>"
-            + _table(goals.drop(columns=["over"], errors="ignore")))
-
-
 def category_matrix(per_category: pd.DataFrame) -> pd.DataFrame:
     """Category x method, each cell "τ / speedup" (AIPerf's SPEED-Bench matrix, two metrics)."""
     if per_category.empty:
@@ -225,7 +214,7 @@ def _ablations(studies: list[dict], figures: list[Figured | Skipped]) -> str:
 
 
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
-           references: list[dict] | None = None, goals: pd.DataFrame | None = None,
+           references: list[dict] | None = None,
            tuned: pd.DataFrame | None = None, ablations: list[dict] | None = None,
            claims: pd.DataFrame | None = None, papers: list | None = None) -> str:
     references = load_references() if references is None else references
@@ -240,8 +229,6 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
             "(\"not interleaved\" under "
             "Missing and partial): it compares the machine at two moments.</p>"
             + _table(tuned))] if tuned is not None and not tuned.empty else []),
-        *([("goals", "Goals (greedy, the grid's suites and settings)", _goals(goals))]
-          if goals is not None and not goals.empty else []),
         ("figures", "Figures", _figures([f for f in figures if not f.name.startswith("ablation-")])),
         ("tasks", "Per task", _table(display_table(tables.per_task))),
         ("categories", "Per category (MT-bench, Spec-Bench, SPEED-Bench)", _category_matrix(tables.per_category)

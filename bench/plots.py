@@ -20,7 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from bench.goals import scaling_fit, scaling_rows, training_runs  # noqa: E402
+from bench.scaling import scaling_fit, scaling_rows, training_runs  # noqa: E402
 from bench.tables import BASELINE, Records, Tables  # noqa: E402
 
 # Stable file contents for the same inputs (committed figures should not churn).
@@ -250,14 +250,6 @@ def _fit_sentence(fit: pd.DataFrame) -> str:
         run = f" (run {_run_label(row.run)})" if getattr(row, "run", "") else ""
         text = (f"{row.method} · {row.task}{run}: τ {row.tau_at_largest:.2f} at "
                 f"{row.largest_tokens / 1e6:.2g}M tokens, {row.tau_per_10x:+.2f} per tenfold data")
-        if math.isnan(row.goal):
-            pass
-        elif row.tokens_to_goal == row.largest_tokens:
-            text += f"; goal {row.goal:g} reached"
-        elif math.isnan(row.tokens_to_goal):
-            text += f"; goal {row.goal:g} not approached (the line does not rise)"
-        else:
-            text += f"; goal {row.goal:g} at about {row.tokens_to_goal / 1e6:.3g}M tokens by the fitted line"
         parts.append(text)
     return " Log-linear fit (scaling_fit.csv): " + "; ".join(parts) + "." if parts else ""
 

@@ -16,11 +16,10 @@ import pandas as pd
 from bench.ablate import figure, records_in
 from bench.claims import Evidence, claims_table
 from bench.core.errors import BenchError
-from bench.goals import GOAL_SERIES, NAMED_SERIES, goals_summary, goals_table, scaling_fit, scaling_rows
 from bench.html_report import load_references, references_table, render, write_html
 from bench.paper_tables import PaperTable, load_paper_tables, paper_table
 from bench.plots import Figured, context_sweep, make_figures
-from bench.records import Problem, record_files
+from bench.records import Problem
 from bench.revisions import NEWEST, display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
@@ -34,7 +33,6 @@ from bench.tables import (
     csv_table,
     display_table,
     load_records,
-    summarize,
     to_markdown,
     update_readmes,
     write_tables,
@@ -43,9 +41,9 @@ from bench.tune import tuned_overview
 
 
 def readme_blocks(tables: Tables, records: Records, command: str,
-                  goals: pd.DataFrame | None = None, tuned: pd.DataFrame | None = None) -> dict[str, str]:
+                  tuned: pd.DataFrame | None = None) -> dict[str, str]:
     """What `bench report --readme` writes between markers: `report` (the headline, README.md),
-    `references`, `tuned`, `revisions` and `goals` (results/README.md)."""
+    `references`, `tuned` and `revisions` (results/README.md)."""
     baselines: dict[tuple[str, str], list[RunFile]] = {}
     for run in records.runs:
         if run.method == BASELINE:
@@ -57,20 +55,17 @@ def readme_blocks(tables: Tables, records: Records, command: str,
     series = ", ".join(sorted({r.tag or "(untagged)" for r in records.runs})) or "none"
     note = (f"\n\nRecords: tag(s) {series} (`{command}`). Sample sizes (AR turns per task): {sizes}. "
             f"{len(records.problems)} missing/partial item(s): see the report's \"Missing and partial records\". "
-            "How speedups are computed, the tuned budgets, earlier revisions and the goals: "
+            "How speedups are computed, the tuned budgets and earlier revisions: "
             "[results/README.md](results/README.md).")
     # Each block is written even when empty, so a block never keeps numbers from an earlier selection.
     blocks = {"tuned": "(none: no tuned series in this selection, `--tuned-tag`)",
-              "revisions": "(none: no method has an earlier revision in this selection)",
-              "goals": "(none: the selection holds none of the grid's greedy series)"}
+              "revisions": "(none: no method has an earlier revision in this selection)"}
     if tuned is not None and not tuned.empty:
         blocks["tuned"] = (to_markdown(tuned) + (f"\n\n{STALE_NOTE}" if tuned["speedup [95% CI]"].str.endswith("*")
                                                   .any() else ""))
     revisions = revisions_table(records, "overall")
     if not revisions.empty:  # a retrained drafter's numbers beside the ones it replaced
         blocks["revisions"] = to_markdown(display_revisions(revisions))
-    if goals is not None and not goals.empty:
-        blocks["goals"] = goals_summary(goals)
     refs = references_table(load_references())
     return {"report": to_markdown(with_first_revision(tables.overall, revisions)) + note, **blocks,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
@@ -145,32 +140,6 @@ STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag'
               "(the report's \"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
 
 
-def scaling_fit_of(results_dir: Path) -> pd.DataFrame | None:
-    """The scaling runs' fit (`make scaling-runs`: tags scale-<tokens>-<run>, or the older
-    scale-<tokens>) where results_dir has them."""
-    tags = sorted({p.stem.split("-", 1)[1] for p in record_files(Path(results_dir), "*/*/*-scale-*")})
-    if not tags:
-        return None
-    try:
-        records = load_records(Path(results_dir), tags=tuple(tags))
-    except BenchError:
-        return None
-    return scaling_fit(scaling_rows(summarize(records, "task")))
-
-
-def named_series_of(results_dir: Path) -> dict[str, pd.DataFrame]:
-    """The per-task table (newest revision) of each of bench.goals' NAMED_SERIES that
-    results_dir has, by tag: the tree methods at their references' draft sizes (`make
-    paper-draft`), MTP's parallel variant (`make mtp-parallel`)."""
-    found = {}
-    for tag in NAMED_SERIES:
-        try:
-            found[tag] = build_tables(load_records(Path(results_dir), tags=(tag,))).per_task
-        except BenchError:
-            continue
-    return found
-
-
 def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list[tuple[PaperTable, pd.DataFrame]]:
     """Each published table (bench/paper_tables.json) beside our cells: from this report's
     records where the table's series is among them, else from that series' own records."""
@@ -220,28 +189,6 @@ def evidence_of(results_dir: Path, tables: Tables, load: pd.DataFrame | None, pr
     return Evidence(tables.per_task, tables.overall, series(BLOCK_SWEEP_TAGS), load, tuple(profiles))
 
 
-def goals_of(tables: Tables, results_dir: Path, tuned: Tables | None = None,
-             profiles: list[dict] | None = None, manifests: list[dict] | None = None) -> pd.DataFrame | None:
-    """The goals table (bench.goals) of the grid's series in the selection, with the speedups
-    of the tuned series (`tuned`, --tuned-tag) and the CPU decode path's (the kept hardware
-    `profiles`) checked too, and the τ goals of the named series that results_dir has
-    (named_series_of: the references' draft sizes, MTP's parallel variant); None without a grid series. A selection of
-    one other series that the grid ran with its own suites and settings (its manifest in
-    `manifests` says so: `make machine-series` on another machine kind) is checked the same way."""
-    per_task = tables.per_task
-    if per_task.empty:
-        return None
-    present = set(per_task["series"])
-    series = [s for s in GOAL_SERIES if s in present]
-    if not series and len(present) == 1:
-        series = [m["tag"] for m in manifests or () if m["tag"] in present and grid_settings(m)][:1]
-    if not series:
-        return None
-    return goals_table(per_task[per_task["series"] == series[0]], scaling_fit_of(results_dir),
-                       tuned.per_task if tuned is not None else None, profiles,
-                       named_series_of(results_dir) if series[0] == "grid" else None)
-
-
 def grid_settings(manifest: dict) -> bool:
     """Whether a grid manifest ran the grid's default suites and settings (greedy, its sample
     of each suite, its token budget) at every method's defaults (manifests written before they
@@ -256,7 +203,7 @@ def grid_settings(manifest: dict) -> bool:
 DRAFTERS = "drafters"  # how each shipped drafter was trained
 PROFILE = "profile"  # every kept hardware profile
 # Blocks a README may leave out: each is written into whichever of the two files has its markers.
-OPTIONAL_BLOCKS = (DRAFTERS, PROFILE, "tuned", "revisions", "goals")
+OPTIONAL_BLOCKS = (DRAFTERS, PROFILE, "tuned", "revisions")
 
 
 def place_blocks(blocks: dict[str, str], readme: Path, results_readme: Path) -> dict[Path, dict[str, str]]:
@@ -401,10 +348,6 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         figures = make_figures(records, tables, stage, load,
                                shipped_training_logs({run.target for run in records.runs}, records.problems))
         written += [p for f in figures if isinstance(f, Figured) for p in (f.png, f.svg)]
-        goals = goals_of(tables, Path(results_dir), tuned, records.profiles, records.manifests)
-        if goals is not None and not goals.empty:
-            written.append(stage / "tables" / "goals.csv")
-            goals.to_csv(written[-1], index=False)
         if tuned is not None:
             written.append(stage / "tables" / "tuned.csv")
             csv_table(tuned.per_task).to_csv(written[-1], index=False)
@@ -423,7 +366,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         drawn = [f for f in drawn if isinstance(f, Figured)]
         figures += drawn
         written += [p for f in drawn for p in (f.png, f.svg)]
-        write_html(stage / "report.html", render(records, tables, figures, selection, goals=goals, tuned=tuned_view,
+        write_html(stage / "report.html", render(records, tables, figures, selection, tuned=tuned_view,
                                                  ablations=studies, claims=claims, papers=papers))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
@@ -439,7 +382,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     if readme is not None:
         command = "bench report" + "".join(f" --{k} {v}" for k, values in (("target", targets), ("task", tasks),
                                            ("method", methods), ("tag", tags)) for v in values)
-        blocks = readme_blocks(tables, records, command, goals, tuned_view)
+        blocks = readme_blocks(tables, records, command, tuned_view)
         results_readme = Path(results_readme) if results_readme else Path(readme).parent / RESULTS_README
         blocks[DRAFTERS] = drafters_table()
         blocks[PROFILE] = profile_block(records.profiles)

@@ -622,7 +622,7 @@ def write_tables(tables: Tables, out: Path, records: Records | None = None) -> l
 # ---------------------------------------------------------------- README
 
 # README.md keeps the headline (`bench report`'s pooled table) and the shipped drafters' table; every
-# other generated block (references, tuned, revisions, goals, grid, blocks, peers, audit, ...) lives in
+# other generated block (references, tuned, revisions, grid, blocks, peers, audit, ...) lives in
 # results/README.md.
 HEADLINE = "report"
 RESULTS_README = Path("results") / "README.md"

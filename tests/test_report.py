@@ -209,17 +209,16 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     (tmp_path / "results").mkdir()
     results_readme = tmp_path / "results" / "README.md"
     results_readme.write_text("".join(f"<!-- {b}:start -->\n<!-- {b}:end -->\n" for b in
-                                      ("references", "revisions", "goals")))
+                                      ("references", "revisions")))
     out = make_report(tmp_path, tmp_path / "out", tags=("grid",), readme=readme)
     html = out["html"].read_text()
     assert 'id="revisions"' in html and "1.40M tokens" in html
-    assert 'id="goals"' in html and "eagle3 τ ≥ 3" in html  # the grid's series: its goals (none of it ran)
+    assert 'id="claims"' in html and 'id="goals"' not in html  # the papers' claims, not the project's goals
     assert (tmp_path / "out" / "tables" / "revisions.csv").read_text().count("\n") == 3
     # README.md: the headline, each method's first revision beside its newest; the rest in results/README.md.
     headline = next(line for line in readme.read_text().splitlines() if line.startswith("| pld |"))
     assert headline.endswith("| 3.00, 4.00x (grid) |") and "Before and after" not in readme.read_text()
     assert "| pld | grid.r2 |" in results_readme.read_text() and "| pld | grid.r2 |" not in readme.read_text()
-    assert "- every method 100% exact against AR: met on 1 of 1 tasks" in results_readme.read_text()
     # python -m bench.summary reads each method's newest revision, against that revision's baseline.
     from bench.summary import summary_rows
 
@@ -531,26 +530,6 @@ def test_summary_table_into_readme(tmp_path):
     assert none.exit_code != 0 and "no records" in none.output
 
 
-def test_a_machine_series_run_at_the_grids_settings_gets_the_goals(tmp_path):
-    """`make machine-series`: a report of one series the grid ran at its own suites and settings
-    (its manifest says so) checks the goals as the grid's does; a series at another budget, with
-    options, or whose manifest does not say (written before it kept them), does not."""
-    from bench.grid import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PLAN
-    from bench.report import make_report
-
-    write_clean(tmp_path, tag="grid-amx")
-    manifest = tmp_path / TARGET / "grid-grid-amx.json"
-    settings = {"tag": "grid-amx", "target": TARGET, "plan": DEFAULT_PLAN, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-                "temperature": 0.0, "budget": None, "options": {}, "methods": ["pld"], "cells": []}
-    for changed, has_goals in (({}, True), ({"budget": "auto"}, False), ({"options": {"draft_vocab": "16"}}, False),
-                               ({"budget": None, "options": None}, False), ({"temperature": 1.0}, False)):
-        written = {k: v for k, v in {**settings, **changed}.items() if v is not None or k not in changed}
-        manifest.write_text(json.dumps(written))
-        html = make_report(tmp_path, tmp_path / "out", tags=("grid-amx",))["html"].read_text()
-        assert ('id="goals"' in html) == has_goals, changed
-    assert "pld" in html and "eagle3 τ ≥ 3" not in html
-
-
 def test_summary_names_cells_timed_at_other_thread_counts(tmp_path):
     """A series whose cells ran at different torch thread counts says which ran at which (a
     pooled row would compare them); one thread count throughout adds no line."""
@@ -689,7 +668,7 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
     write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
                                                      proposed=(3, 3, 3), accepted=(3, 3, 3)) for q, n in keys],
               drafter={"drafter": "methods/checkpoints/x/pld", "trained_tokens": 6_000_000})
-    from bench.goals import scaling_fit, scaling_rows
+    from bench.scaling import scaling_fit, scaling_rows
 
     fit = scaling_fit(scaling_rows(build_tables(load_records(tmp_path)).per_task)).set_index("run")
     assert fit.loc[later, "sizes"] == 3 and fit.loc[first, "sizes"] == 2  # a line per run, not one mixed
@@ -703,48 +682,20 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
     assert fit.loc[later, "sizes"] == 4
 
 
-def test_scaling_fit_extrapolates_to_the_goal():
-    """τ = 1 + 0.5 log10(tokens / 1e5) for eagle3 on MT-bench: +0.5 per tenfold data, the goal
-    τ = 3 at 1e9 tokens; a flat line gives no estimate; a goal already met reports the size."""
+def test_scaling_fit_is_the_log_linear_line():
+    """τ = 1 + 0.5 log10(tokens / 1e5) for eagle3 on MT-bench: +0.5 per tenfold data; a flat
+    line rises 0; the largest size's τ is quoted."""
     import pandas as pd
 
-    from bench.goals import scaling_fit
+    from bench.scaling import scaling_fit
 
     rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
                           "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6, 5e6)]
                         + [{"method": "mtp", "task": "gsm8k", "trained_tokens": t, "tau": 1.3} for t in (2e5, 1e6)]
-                        + [{"method": "medusa", "task": "gsm8k", "trained_tokens": t, "tau": tau}
-                           for t, tau in ((2e5, 1.5), (1e6, 2.1))])
+                        + [{"method": "medusa", "task": "gsm8k", "trained_tokens": 2e5, "tau": 1.5}])
     fit = scaling_fit(rows).set_index("method")
-    assert fit.loc["eagle3", "tau_per_10x"] == pytest.approx(0.5)
-    assert fit.loc["eagle3", "tokens_to_goal"] == pytest.approx(1e9, rel=1e-6)
-    assert math.isnan(fit.loc["mtp", "tokens_to_goal"]) and fit.loc["mtp", "goal"] == 2.0
-    assert fit.loc["medusa", "tokens_to_goal"] == 1e6
-
-
-def test_a_goal_read_from_another_drafters_scaling_line_says_so():
-    """A shipped drafter retrained in another way (other weights than the scaling line's final
-    drafter): its missed goal is estimated from its own τ and tokens at the line's slope, and
-    the note says the line is an earlier drafter's."""
-    import pandas as pd
-
-    from bench.goals import _to_goal, scaling_fit
-
-    rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t, "drafter_id": w,
-                          "tau": 1 + 0.5 * math.log10(t / 1e5)} for t, w in ((2e5, "a"), (1e6, "b"), (1e7, "c"))])
-    fit = scaling_fit(rows)
-    same = pd.Series({"tau": 2.0, "trained_tokens": 1e7, "drafter_id": "c"})
-    assert _to_goal(fit, "eagle3", "mtbench", same).startswith("~1B training tokens by the scaling line")
-    other = pd.Series({"tau": 2.5, "trained_tokens": 1e7, "drafter_id": "d"})
-    note = _to_goal(fit, "eagle3", "mtbench", other)
-    assert note.startswith("~100M training tokens at the slope of an earlier drafter's scaling line (+0.50")
-    assert note.endswith("no scaling runs of this drafter)")
-    # A second run as far trained, listed first: the cell's own drafter's line is the one quoted.
-    rival = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t, "drafter_id": w,
-                           "tau": 1 + 0.25 * math.log10(t / 1e5)} for t, w in ((2e5, "x"), (1e7, "y"))])
-    both = scaling_fit(pd.concat([rival.assign(drafter_run="r1"), rows.assign(drafter_run="r2")], ignore_index=True))
-    assert _to_goal(both, "eagle3", "mtbench", same).startswith("~1B training tokens by the scaling line (+0.50")
-
+    assert fit.loc["eagle3", "tau_per_10x"] == pytest.approx(0.5) and fit.loc["eagle3", "largest_tokens"] == 5e6
+    assert fit.loc["mtp", "tau_per_10x"] == pytest.approx(0.0) and "medusa" not in fit.index  # one size: no line
 
 def test_a_shipped_copy_is_the_drafter_its_training_folder_ran():
     """`bench ship` adds keys to the manifest it copies, so a shipped drafter's manifest digest
@@ -756,122 +707,6 @@ def test_a_shipped_copy_is_the_drafter_its_training_folder_ran():
     assert _drafter_id({**trained, "trained_tokens": 1000176}) != _drafter_id(trained)
     assert _drafter_id({**trained, "weights_sha1": "ccc"}) == "ccc"
     assert _drafter_id({"manifest_sha": "aaa"}) == "aaa"  # a published drafter: no export stamp
-
-
-def test_goals_say_what_is_met_and_by_how_much_the_rest_is_missed(tmp_path, monkeypatch):
-    """bench.goals on a hand-made per-task table: each goal per task, met or missed with the
-    shortfall; a missed τ goal quotes the scaling line's tokens; near ties do not count as
-    mismatches; a goal whose method did not run says so."""
-    import pandas as pd
-
-    from bench.goals import AT_PAPER_DRAFT, MTP_PARALLEL, goals_summary, goals_table, scaling_fit
-
-    def cell(method, tau, speedup=1.2, match=1.0, near_ties=0, mismatches=0, task="mtbench"):
-        return {"series": "grid", "task": task, "method": method, "tau": tau, "speedup": speedup,
-                "match_rate": match, "near_ties": near_ties, "mismatches": mismatches}
-
-    per_task = pd.DataFrame([cell("ar", 1.0, 1.0), cell("eagle3", 2.5, 1.4), cell("eagle2", 2.0, 1.3),
-                             cell("eagle", 2.1, 1.1), cell("dflash", 2.2, 0.8, 0.95, near_ties=1),
-                             cell("ddtree", 2.6), cell("dspark", 2.5), cell("medusa", 2.0),
-                             cell("mtp", 1.5, mismatches=1, match=0.9), cell("sps", 1.4)])
-    drafter = tmp_path / "sps-drafter"
-    drafter.mkdir()
-    (drafter / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": [0.45, 0.5]}}))
-    per_task["drafter_run"] = [str(drafter) if m == "sps" else None for m in per_task["method"]]
-    fit = scaling_fit(pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
-                                     "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6)]))
-    goals = goals_table(per_task, fit)
-    status = {(r.goal, r.task): (r.status, r.measured, r.note) for r in goals.itertuples()}
-    assert status[("eagle3 τ ≥ 3", "mtbench")] == (
-        "missed", "τ 2.50", "short by 0.50; ~1B training tokens by the scaling line (+0.50 τ per tenfold data, "
-        "fitted up to 1M)")
-    assert status[("medusa τ ≥ 2", "mtbench")][0] == "met"
-    assert status[("mtp τ ≥ 2", "mtbench")][2] == "short by 0.50; no scaling runs for it"
-    # drafts a round deep at most: τ cannot reach 2 whatever the drafter, and the note says so
-    shallow = goals_table(per_task.assign(tau=[1.3 if m == "mtp" else t for m, t in zip(per_task["method"],
-                                                                                          per_task["tau"])],
-                                          tau_ceiling=[1.97 if m == "mtp" else 5.0 for m in per_task["method"]]))
-    note = shallow.set_index(["goal", "task"]).loc[("mtp τ ≥ 2", "mtbench"), "note"]
-    assert note.endswith("out of reach at these settings: its drafts were 0.97 deep on average, so τ ≤ 1.97 "
-                         "with every draft accepted, whatever the drafter")
-    assert ("out of reach at these settings (drafts too shallow for it even if all were accepted) on 1"
-            in goals_summary(shallow))
-    assert status[("dspark τ ≥ 1.1 × dflash τ", "mtbench")][:2] == ("met", "2.50 vs 2.20 (1.14x)")
-    assert status[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("missed", "2.50 / 2.00 / 2.10")
-    assert status[("dflash speedup > 1", "mtbench")] == ("missed", "0.80x", "1.25x slower than AR")
-    # The tree methods at their references' draft sizes: their τ goals checked apart, each named so,
-    # only for the methods that series ran, with no scaling line (those ran at the defaults).
-    # MTP's parallel variant likewise, beside them.
-    paper = pd.DataFrame([cell("eagle3", 3.2), cell("eagle2", 2.8), cell("eagle", 2.6), cell("medusa", 1.9)])
-    parallel = pd.DataFrame([cell("ar", 1.0, 1.0), cell("mtp", 2.1, 1.1)])
-    named = goals_table(per_task, fit, named={"paper-draft": paper.assign(series="paper-draft"),
-                                              "mtp-parallel": parallel.assign(series="mtp-parallel")})
-    at_paper = {(r.goal.removesuffix(AT_PAPER_DRAFT), r.task): (r.status, r.measured, r.note)
-                for r in named.itertuples() if r.goal.endswith(AT_PAPER_DRAFT)}
-    assert [(r.goal, r.status, r.measured) for r in named.itertuples() if r.goal.endswith(MTP_PARALLEL)] == [
-        ("mtp τ ≥ 2 (parallel variant)", "met", "τ 2.10")]
-    assert at_paper[("eagle3 τ ≥ 3", "mtbench")][:2] == ("met", "τ 3.20")
-    assert at_paper[("medusa τ ≥ 2", "mtbench")] == ("missed", "τ 1.90", "short by 0.10")
-    assert at_paper[("eagle3 τ > eagle2 τ > eagle τ", "mtbench")][:2] == ("met", "3.20 / 2.80 / 2.60")
-    assert not [goal for goal, _ in at_paper if goal.startswith(("mtp", "dflash", "dspark"))]
-    assert status[("eagle3 speedup > 1", "mtbench")][0] == "met"
-    exact = status[("every method 100% exact against AR", "mtbench")]
-    assert exact == ("missed", "8 of 9 methods", "mtp: 1 mismatched turns; dflash: 1 near ties")
-    assert status[("sps draft top-1 agreement ≥ 0.6", "held out")][:2] == ("missed", "0.45")
-    (drafter / "drafter.json").write_text("{}")  # trained before held-out agreement was recorded
-    unmeasured = goals_table(per_task, fit)
-    assert list(unmeasured.loc[unmeasured["task"] == "held out", "status"]) == ["not measured"]
-
-    # A run that recorded its weights' digest: its training folder gone (or holding another drafter
-    # since), the shipped drafter's manifest counts only if it holds those very weights.
-    import hashlib
-
-    from bench.core import drafters
-
-    shipped = tmp_path / "shipped" / "tiny" / "sps"
-    shipped.mkdir(parents=True)
-    (shipped / "model.safetensors").write_bytes(b"the weights the run ran")
-    (shipped / "drafter.json").write_text(json.dumps({"heldout": {"top1_by_position": [0.43, 0.47]}}))
-    monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path / "shipped"])
-    digest = hashlib.sha1(b"the weights the run ran").hexdigest()[:12]
-    per_task["target"] = "tiny"
-    per_task["drafter_run"] = [str(tmp_path / "gone") if m == "sps" else None for m in per_task["method"]]
-    per_task["drafter_weights"] = [digest if m == "sps" else None for m in per_task["method"]]
-
-    def heldout_goal():
-        table = goals_table(per_task, fit)
-        return table.loc[table["task"] == "held out", ["status", "measured", "note"]].iloc[0].tolist()
-
-    assert heldout_goal() == ["missed", "0.43", "short by 0.17; as recorded by the shipped drafter"]
-    (shipped / "model.safetensors").write_bytes(b"a drafter shipped later")
-    assert heldout_goal()[:2] == ["not measured", "not in its manifest"]
-    assert ("dflash τ ≥ eagle3 τ", "mtbench") not in status  # a code-and-math goal
-    assert "- eagle3 speedup > 1: met on 1 of 1 tasks" in goals_summary(goals)
-    lonely = goals_table(per_task[per_task["method"].isin(["ar", "eagle3"])])
-    assert set(lonely[lonely["goal"] == "mtp τ ≥ 2"]["status"]) == {"not run"}
-    assert "- mtp τ ≥ 2: met on 0 of 1 tasks; not measured on mtbench" in goals_summary(lonely)
-
-    # The CPU decode path's goals, from bf16 two-thread profiles (others are not what the goals are stated for).
-    def profile(name, step, over, hf, v16, least, dtype="bfloat16", threads=2):
-        rows = [{"kind": "chain", "k": 1, "median_s": step}, {"kind": "chain", "k": 16, "median_s": step * v16}]
-        return {"path": f"/r/{name}.json", "dtype": dtype, "rows": rows, "provenance": {"torch_threads": threads},
-                "memory_bound": {"step_over_limit": over}, "hf_generate": {"step_s": step * hf},
-                "compute_bound": {"k": 16, "least_ratio_to_k1": least}}
-
-    profiles = [profile("amx", 0.01, 1.5, 2.0, 1.25, 0.6), profile("epyc", 0.008, 1.7, 4.0, 2.24, 1.9),
-                profile("fp32", 0.03, 3.0, 1.0, 2.0, 1.0, dtype="float32"),
-                profile("t1", 0.01, 1.5, 2, 1.2, 1, threads=1)]
-    cpu = goals_table(per_task, fit, profiles=profiles)
-    status = {(r.goal, r.task): (r.status, r.measured, r.note) for r in cpu.itertuples()}
-    assert status[("CPU one-token step ≤ 1.6x the memory-bound limit", "amx")][:2] == ("met", "1.50x")
-    assert status[("CPU one-token step ≤ 1.6x the memory-bound limit", "epyc")][:2] == ("missed", "1.70x")
-    assert status[("CPU one-token step ≥ 1.8x faster than transformers.generate", "epyc")][:2] == ("met", "4.00x")
-    assert status[("CPU t_v(16)/t_v(1) ≤ 1.3", "amx")] == (
-        "met", "1.25", "the measured matmul rate allows no less than 0.60 here")
-    assert status[("CPU t_v(16)/t_v(1) ≤ 1.3", "epyc")] == (
-        "missed", "2.24", "the measured matmul rate allows no less than 1.90 here: out of reach on this CPU")
-    assert not [task for _, task in status if task in ("fp32", "t1")]
-    assert "- CPU t_v(16)/t_v(1) ≤ 1.3: met on 1 of 2 machines; missed on epyc (2.24)" in goals_summary(cpu)
 
 
 def test_sampled_grid_series_records_its_temperature(tmp_path, tiny_task, fake_bench, monkeypatch):
