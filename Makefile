@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables context-sweep grid-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables paper-regime context-sweep grid-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,7 @@ all-results: $(STAMP)
 	$(MAKE) load-sweep
 	$(MAKE) paper-draft
 	$(MAKE) paper-tables
+	$(MAKE) paper-regime
 	$(MAKE) mtp-parallel
 	$(MAKE) grid-reports
 	$(MAKE) frspec
@@ -229,6 +230,12 @@ load-sweep: $(STAMP)
 	  $(BIN)/bench run --task mtbench --limit $$(( $$b > $(LOAD_LIMIT) ? $$b : $(LOAD_LIMIT) )) --max-new-tokens $(LOAD_TOKENS) \
 	    --batch-size $$b --tag load$$b --method $$m || exit 1; done; done
 	$(BIN)/bench report --task mtbench $(foreach b,$(LOAD_BATCHES),--tag load$(b)) --out plots/load
+
+# The papers' regime through our loop (the report's section "regime"): every method and task a paper's
+# table gives a τ for, at oracle acceptances 0.5 to 1.0 (tags oracle<a>, greedy, 3 questions of 128
+# tokens; bench/paper_regime.py, resumable); the report reads off the speedup at each published τ.
+paper-regime: $(STAMP)
+	$(BIN)/python -m bench.paper_regime
 
 # "Speedup at tau": every drafting method on HumanEval (first ORACLE_LIMIT questions) with
 # its drafts replaced by the AR baseline's own tokens at per-node acceptance a in ORACLE_ACCEPTS

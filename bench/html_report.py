@@ -174,6 +174,14 @@ def _papers(papers: list) -> str:
     return "\n".join(parts)
 
 
+def _regime(regime: pd.DataFrame) -> str:
+    return ("<p>At each τ a paper published, the speedup this decode loop reaches for the same method on this "
+            "machine when its drafts are accepted that often (oracle acceptance: the method's real draft pass, tree "
+            "and verification; only acceptance is set; greedy), read off the oracle runs' (τ, speedup) points "
+            "(<code>python -m bench.paper_regime</code>, tags oracle&lt;a&gt;), beside the paper's own speedup. "
+            "It separates what our system costs from what our drafters accept.</p>" + _table(regime))
+
+
 def _claims(claims: pd.DataFrame) -> str:
     return ('<p class="note">Each claim on its own definition, measured on the kept records (the grid\'s series '
             "of this report, the block sweep, the load sweep, the hardware profiles), recomputed whenever the "
@@ -216,7 +224,8 @@ def _ablations(studies: list[dict], figures: list[Figured | Skipped]) -> str:
 def render(records: Records, tables: Tables, figures: list[Figured | Skipped], selection: dict,
            references: list[dict] | None = None,
            tuned: pd.DataFrame | None = None, ablations: list[dict] | None = None,
-           claims: pd.DataFrame | None = None, papers: list | None = None) -> str:
+           claims: pd.DataFrame | None = None, papers: list | None = None,
+           regime: pd.DataFrame | None = None) -> str:
     references = load_references() if references is None else references
     sizes = ", ".join(f"{task}: {n} turns" for task, n in tables.per_task[tables.per_task["method"] == "ar"]
                       .groupby("task")["turns"].max().items()) if not tables.per_task.empty else "none"
@@ -234,6 +243,7 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         ("categories", "Per category (MT-bench, Spec-Bench, SPEED-Bench)", _category_matrix(tables.per_category)
          + _table(display_table(tables.per_category))),
         *([("papers", "The papers' tables beside ours", _papers(papers))] if papers else []),
+        *([("regime", "The papers' regime through our loop", _regime(regime))] if regime is not None else []),
         *([("claims", "The papers' claims, checked here", _claims(claims))] if claims is not None else []),
         ("serving", "Training against serving", _serving(records)),
         *([("ablations", "Recipe ablations (bench ablate)", _ablations(ablations, figures))] if ablations else []),

@@ -17,9 +17,10 @@ from bench.ablate import figure, records_in
 from bench.claims import Evidence, claims_table
 from bench.core.errors import BenchError
 from bench.html_report import load_references, references_table, render, write_html
+from bench.paper_regime import ORACLE_PREFIX, regime_table
 from bench.paper_tables import PaperTable, load_paper_tables, paper_table
 from bench.plots import Figured, context_sweep, make_figures
-from bench.records import Problem
+from bench.records import Problem, split_repeat, split_revision
 from bench.revisions import NEWEST, display_revisions, revisions_table
 from bench.tables import (
     BASELINE,
@@ -169,6 +170,21 @@ def context_series_of(results_dir: Path) -> pd.DataFrame | None:
         return None
     try:
         return build_tables(load_records(Path(results_dir), tags=tuple(tags))).per_task
+    except BenchError:
+        return None
+
+
+def oracle_series_of(results_dir: Path) -> pd.DataFrame | None:
+    """The oracle series' per-task rows (tags oracle<a>, python -m bench.paper_regime), or None."""
+    tags = set()
+    for path in Path(results_dir).glob(f"*/*/*-{ORACLE_PREFIX}*.jsonl*"):
+        series = split_revision(split_repeat(path.name.split("-", 1)[1].split(".jsonl")[0])[0])[0]
+        if series[len(ORACLE_PREFIX):len(ORACLE_PREFIX) + 1].isdigit():
+            tags.add(series)
+    if not tags:
+        return None
+    try:
+        return build_tables(load_records(Path(results_dir), tags=tuple(sorted(tags)))).per_task
     except BenchError:
         return None
 
@@ -358,6 +374,9 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         for table, frame in papers:
             written.append(stage / "tables" / f"paper-{table.key}.csv")
             frame.to_csv(written[-1], index=False)
+        regime = regime_table(load_paper_tables(), oracle_series_of(Path(results_dir)))
+        written.append(stage / "tables" / "paper-regime.csv")
+        regime.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
         contexts = context_series_of(Path(results_dir))
@@ -367,7 +386,8 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         figures += drawn
         written += [p for f in drawn for p in (f.png, f.svg)]
         write_html(stage / "report.html", render(records, tables, figures, selection, tuned=tuned_view,
-                                                 ablations=studies, claims=claims, papers=papers))
+                                                 ablations=studies, claims=claims, papers=papers,
+                                                 regime=regime))
         for path in sorted(p for p in stage.rglob("*") if p.is_file()):
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))

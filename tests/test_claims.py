@@ -80,3 +80,31 @@ def test_the_context_sweep_builds_prompts_of_each_length_and_the_report_draws_it
                   [turn("1", decode=decode, draft=0.1, verify=0.3, exact=True, proposed=(3, 3), accepted=(2, 1))])
     make_report(results, tmp_path / "plots")
     assert (tmp_path / "plots" / "figures" / "context.png").exists()
+
+
+def test_the_papers_regime_reads_the_speedup_at_each_published_tau(tmp_path):
+    """Oracle runs of eagle3 on MT-bench at τ 1 (as fast as AR) and τ 3 (twice as fast): the
+    report's regime table reads the speedup at each τ a paper published for eagle3 there by
+    linear interpolation, and a τ past the sweep's highest is out of reach, not extrapolated."""
+    from bench.paper_regime import speedup_at
+    from bench.report import make_report
+    from tests.report_helpers import turn, write_run
+
+    curve = pd.DataFrame({"tau": [1.0, 3.0, 3.0], "speedup": [1.0, 1.8, 2.2]})
+    assert speedup_at(curve, 2.0) == (1.5, "between τ 1.00 and 3.00")
+    assert speedup_at(curve, 3.5)[1].startswith("out of reach: τ 3.00")
+    assert speedup_at(curve.iloc[:1], 1.0)[1] == "fewer than two oracle runs"
+    results = tmp_path / "results"
+    for tag, accept, accepted, decode in (("oracle0.5", 0.5, (0,) * 9, 0.9), ("oracle1", 1.0, (2, 2, 2), 0.45)):
+        write_run(results, "mtbench", "ar", tag, [turn("1")], method_options={})
+        write_run(results, "mtbench", "eagle3", tag, [turn("1", decode=decode, exact=True, proposed=accepted,
+                                                           accepted=accepted)],
+                  method_options={"oracle_accept": accept})
+    out = make_report(results, tmp_path / "plots", tags=("oracle0.5", "oracle1"))
+    regime = pd.read_csv(tmp_path / "plots" / "tables" / "paper-regime.csv").fillna("")
+    rows = regime[(regime["method"] == "eagle3") & (regime["task"] == "mtbench")]
+    dspark = rows[rows["paper"] == "dspark-table1"].iloc[0]  # τ 2.66, inside the sweep
+    assert dspark["how"] == "between τ 1.00 and 3.00" and 1.0 < float(dspark["our loop at that τ"][:-1]) < 2.0
+    assert all(how in ("between τ 1.00 and 3.00", "") or how.startswith("out of reach") for how in rows["how"])
+    assert (regime[regime["method"] == "sps"]["how"] == "not run").all()
+    assert 'id="regime"' in out["html"].read_text()
