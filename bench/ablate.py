@@ -101,6 +101,13 @@ def arm_command(study: Study, name: str, steps: int, out: Path) -> list[str]:
     return args
 
 
+def _steps(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "drafter.json").read_text())["training"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def finished(folder: Path, steps: int) -> bool:
     manifest = folder / "drafter.json"
     try:
@@ -174,7 +181,7 @@ def collect(study_name: str, names: list[str], steps: int, out: Path, target_nam
     from bench.core.provenance import provenance, timestamp
 
     study = STUDIES[study_name]
-    names = [n for n in study.arms if n in names or finished(out / n, steps)]
+    names = [n for n in study.arms if n in names or _steps(out / n) == steps]
     arms, missing = {}, []
     for name in names:
         result = arm_result(out / name, study, name) if finished(out / name, steps) else None

@@ -46,6 +46,7 @@ from bench.records import (
     check_tag,
     has_records,
     identity_of,
+    record_files,
     records_path,
     revision_tag,
     split_repeat,
@@ -113,21 +114,23 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
         return [has_records(path) for path in paths]
 
     folder = records_path(Path(results_dir), target, task, method, tag).parent
-    newest = 1
-    for name in (method, BASELINE):
-        for path in folder.glob(f"{name}-{tag}*.jsonl*"):
+    newest = {method: 1, BASELINE: 1}  # each file's newest kept revision
+    for name in newest:
+        for path in record_files(folder, f"{name}-*"):
             series, revision = split_revision(split_repeat(path.name[len(name) + 1:].split(".jsonl")[0])[0])
             if series == tag:
-                newest = max(newest, revision)
-    for revision in range(1, newest + 1):
+                newest[name] = max(newest[name], revision)
+    last = max(newest.values())
+    for revision in range(1, last + 1):
         exists = kept(revision)
-        if not any(exists) and revision < newest:
+        # a gap (neither file kept), or the method's own file gone below its newest: never reused
+        if revision < last and not any(exists) or revision < newest[method] and not exists[0]:
             continue
         candidate = revision_tag(tag, revision)
         pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted), exists)
         if all(not there or _same(_first_settings(path), settings) for path, settings, there in pairs):
             return candidate
-    return revision_tag(tag, newest + 1)
+    return revision_tag(tag, last + 1)
 
 
 def _done_keys(path: Path) -> set[tuple[str, int]]:

@@ -26,7 +26,8 @@ ORACLE_PREFIX = "oracle"
 
 
 def oracle_tag(accept: float) -> str:
-    return f"{ORACLE_PREFIX}{accept:g}"
+    """oracle0.5, ..., oracle1.0: the tags `make oracle-sweep` writes too."""
+    return f"{ORACLE_PREFIX}{accept}"
 
 
 def published_pairs(tables: list[PaperTable]) -> list[tuple[str, str]]:
@@ -46,7 +47,7 @@ def speedup_at(points: pd.DataFrame, tau: float) -> tuple[float, str]:
     if len(curve) < 2:
         return float("nan"), "fewer than two oracle runs"
     if tau > curve.index[-1]:
-        return float("nan"), f"out of reach: τ {curve.index[-1]:.2f} at the sweep's highest acceptance"
+        return float("nan"), f"out of reach: the sweep's highest τ is {curve.index[-1]:.2f}"
     if tau < curve.index[0]:
         return float("nan"), f"below the sweep's lowest τ ({curve.index[0]:.2f})"
     below, above = curve.index[curve.index <= tau].max(), curve.index[curve.index >= tau].min()
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for accept in ACCEPTS:
             command = [sys.executable, "-m", "bench.cli", "run", "--method", method, "--task", task, "--limit",
                        str(LIMIT), "--max-new-tokens", str(MAX_NEW_TOKENS), "--tag", oracle_tag(accept),
-                       "--option", f"oracle_accept={accept:g}", *(argv or [])]
+                       "--option", f"oracle_accept={accept}", *(argv or [])]
             print(" ".join(["bench", *command[3:]]), flush=True)
             code = subprocess.call(command)
             if code:

@@ -174,8 +174,9 @@ def context_series_of(results_dir: Path) -> pd.DataFrame | None:
         return None
 
 
-def oracle_series_of(results_dir: Path) -> pd.DataFrame | None:
-    """The oracle series' per-task rows (tags oracle<a>, python -m bench.paper_regime), or None."""
+def oracle_series_of(results_dir: Path, targets: tuple[str, ...] = ()) -> pd.DataFrame | None:
+    """The oracle series' per-task rows (tags oracle<a>, python -m bench.paper_regime) of
+    `targets` (all where empty), or None."""
     tags = set()
     for path in Path(results_dir).glob(f"*/*/*-{ORACLE_PREFIX}*.jsonl*"):
         series = split_revision(split_repeat(path.name.split("-", 1)[1].split(".jsonl")[0])[0])[0]
@@ -184,7 +185,8 @@ def oracle_series_of(results_dir: Path) -> pd.DataFrame | None:
     if not tags:
         return None
     try:
-        return build_tables(load_records(Path(results_dir), tags=tuple(sorted(tags)))).per_task
+        return build_tables(load_records(Path(results_dir), targets=tuple(targets),
+                                         tags=tuple(sorted(tags)))).per_task
     except BenchError:
         return None
 
@@ -374,7 +376,7 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         for table, frame in papers:
             written.append(stage / "tables" / f"paper-{table.key}.csv")
             frame.to_csv(written[-1], index=False)
-        regime = regime_table(load_paper_tables(), oracle_series_of(Path(results_dir)))
+        regime = regime_table(load_paper_tables(), oracle_series_of(Path(results_dir), tuple(targets)))
         written.append(stage / "tables" / "paper-regime.csv")
         regime.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]

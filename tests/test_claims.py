@@ -92,15 +92,15 @@ def test_the_papers_regime_reads_the_speedup_at_each_published_tau(tmp_path):
 
     curve = pd.DataFrame({"tau": [1.0, 3.0, 3.0], "speedup": [1.0, 1.8, 2.2]})
     assert speedup_at(curve, 2.0) == (1.5, "between τ 1.00 and 3.00")
-    assert speedup_at(curve, 3.5)[1].startswith("out of reach: τ 3.00")
+    assert speedup_at(curve, 3.5)[1] == "out of reach: the sweep's highest τ is 3.00"
     assert speedup_at(curve.iloc[:1], 1.0)[1] == "fewer than two oracle runs"
     results = tmp_path / "results"
-    for tag, accept, accepted, decode in (("oracle0.5", 0.5, (0,) * 9, 0.9), ("oracle1", 1.0, (2, 2, 2), 0.45)):
+    for tag, accept, accepted, decode in (("oracle0.5", 0.5, (0,) * 9, 0.9), ("oracle1.0", 1.0, (2, 2, 2), 0.45)):
         write_run(results, "mtbench", "ar", tag, [turn("1")], method_options={})
         write_run(results, "mtbench", "eagle3", tag, [turn("1", decode=decode, exact=True, proposed=accepted,
                                                            accepted=accepted)],
                   method_options={"oracle_accept": accept})
-    out = make_report(results, tmp_path / "plots", tags=("oracle0.5", "oracle1"))
+    out = make_report(results, tmp_path / "plots", tags=("oracle0.5", "oracle1.0"))
     regime = pd.read_csv(tmp_path / "plots" / "tables" / "paper-regime.csv").fillna("")
     rows = regime[(regime["method"] == "eagle3") & (regime["task"] == "mtbench")]
     dspark = rows[rows["paper"] == "dspark-table1"].iloc[0]  # τ 2.66, inside the sweep

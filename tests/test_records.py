@@ -482,5 +482,7 @@ def test_the_grid_picks_a_matching_revision_and_never_reuses_a_retired_one(tmp_p
     assert pick(8) == "grid" and pick(16) == "grid.r2"
     keep("pld", "grid.r3", 16), keep("ar", "grid.r3", 16)  # r2 retired (or never kept)
     assert pick(16) == "grid.r3" and pick(32) == "grid.r4"
+    keep("ar", "grid.r2", 32)  # another method's baseline below pld's newest: pld's r2 stays retired
+    assert pick(32) == "grid.r4"
     keep("ar", "grid.r5.rep2", 64)  # a repeat of r5 names r5 the newest: r4 is a gap below it now
     assert pick(32) == "grid.r5"
