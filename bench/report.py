@@ -161,26 +161,14 @@ def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list
     return out
 
 
-def context_series_of(results_dir: Path) -> pd.DataFrame | None:
-    """The context sweep's per-task rows (series ctx<L>, python -m bench.context_sweep), or None."""
-    tags = sorted({p.name.split("-", 1)[1].split(".")[0] for p in Path(results_dir).glob("*/*/*-ctx*.jsonl*")
-                   if "-" in p.name})
-    tags = [t for t in tags if t[3:].isdigit()]
-    if not tags:
-        return None
-    try:
-        return build_tables(load_records(Path(results_dir), tags=tuple(tags))).per_task
-    except BenchError:
-        return None
-
-
-def oracle_series_of(results_dir: Path, targets: tuple[str, ...] = ()) -> pd.DataFrame | None:
-    """The oracle series' per-task rows (tags oracle<a>, python -m bench.paper_regime) of
-    `targets` (all where empty), or None."""
+def numbered_series_of(results_dir: Path, prefix: str, targets: tuple[str, ...] = ()) -> pd.DataFrame | None:
+    """The per-task rows of every series named `prefix` and a number (ctx512: the context
+    sweep, python -m bench.context_sweep; oracle0.5: python -m bench.paper_regime) of
+    `targets` (all where empty), or None where results_dir has none."""
     tags = set()
-    for path in Path(results_dir).glob(f"*/*/*-{ORACLE_PREFIX}*.jsonl*"):
+    for path in Path(results_dir).glob(f"*/*/*-{prefix}*.jsonl*"):
         series = split_revision(split_repeat(path.name.split("-", 1)[1].split(".jsonl")[0])[0])[0]
-        if series[len(ORACLE_PREFIX):len(ORACLE_PREFIX) + 1].isdigit():
+        if series[len(prefix):len(prefix) + 1].isdigit():
             tags.add(series)
     if not tags:
         return None
@@ -376,12 +364,12 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         for table, frame in papers:
             written.append(stage / "tables" / f"paper-{table.key}.csv")
             frame.to_csv(written[-1], index=False)
-        regime = regime_table(load_paper_tables(), oracle_series_of(Path(results_dir), tuple(targets)))
+        regime = regime_table(load_paper_tables(), numbered_series_of(Path(results_dir), ORACLE_PREFIX, tuple(targets)))
         written.append(stage / "tables" / "paper-regime.csv")
         regime.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
-        contexts = context_series_of(Path(results_dir))
+        contexts = numbered_series_of(Path(results_dir), "ctx", tuple(targets))
         if contexts is not None:
             drawn.append(context_sweep(contexts, stage / "figures"))
         drawn = [f for f in drawn if isinstance(f, Figured)]
