@@ -109,10 +109,6 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
     revision after the newest kept one. A revision of which neither file is kept (retired
     from results/, results/ARCHIVE.md) is skipped, not reused: a cell run into it would sit
     below the newest revision, which is the one reports read."""
-    def kept(revision: int) -> list[bool]:
-        paths = cell_paths(results_dir, target, task, method, revision_tag(tag, revision))
-        return [has_records(path) for path in paths]
-
     folder = records_path(Path(results_dir), target, task, method, tag).parent
     newest = {method: 1, BASELINE: 1}  # each file's newest kept revision
     for name in newest:
@@ -122,14 +118,14 @@ def choose_tag(results_dir: str | Path, target: str, task: str, method: str, tag
                 newest[name] = max(newest[name], revision)
     last = max(newest.values())
     for revision in range(1, last + 1):
-        exists = kept(revision)
+        paths = cell_paths(results_dir, target, task, method, revision_tag(tag, revision))
+        exists = [has_records(path) for path in paths]
         # a gap (neither file kept), or the method's own file gone below its newest: never reused
         if revision < last and not any(exists) or revision < newest[method] and not exists[0]:
             continue
-        candidate = revision_tag(tag, revision)
-        pairs = zip(cell_paths(results_dir, target, task, method, candidate), (wanted, base_wanted), exists)
+        pairs = zip(paths, (wanted, base_wanted), exists)
         if all(not there or _same(_first_settings(path), settings) for path, settings, there in pairs):
-            return candidate
+            return revision_tag(tag, revision)
     return revision_tag(tag, last + 1)
 
 

@@ -178,7 +178,7 @@ class BlockObjective:
         if c.anchor_context:  # row a-1 of the fused context; zeros where the probe withholds it
             rows = (blocks["anchors"] - 1).clamp(min=0)
             previous = torch.gather(context, 1, rows[..., None].expand(-1, -1, context.shape[-1]))
-            previous = previous * 0 if hide else previous
+            previous = torch.zeros_like(previous) if hide else previous
         if mask_anchor and c.anchor_embedding:  # the anchor token gone from every slot, not only slot 0
             anchor_tokens = torch.full_like(anchor_tokens, c.mask_token_id)
         x = model.block_inputs(anchor_tokens, self.embed, c.block_size, previous)
