@@ -81,6 +81,13 @@ STUDIES: dict[str, Study] = {
                                "(EAGLE-1's whole input in every slot)", default=False),
             "soft-lr": Arm("dflash", {"labels": "target"}, "soft labels at lr 1e-3 (the loop's other arms: 3e-4)",
                            default=False, loop={"--lr": "1e-3"}),
+            "embed-scale": Arm("dflash", {"labels": "target", "input_embedding_scale": "0.1", "norm_init": "ones"},
+                               "soft labels, the block's embeddings scaled by 0.1 (z-lab's input_embedding_scale) and "
+                               "the final norm at ones: SmolLM2 ties its lm_head to its embeddings, so a slot's own "
+                               "input token otherwise dominates its first logits", default=False),
+            "block-2": Arm("dflash", {"labels": "target", "block_size": "2"},
+                           "soft labels, one draft per block: the first draft alone, without the far slots' share "
+                           "of the loss (EAGLE-1's task in DFlash's architecture)", default=False),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
                                         "labels": "target"}, "tap norm, init fixes and soft labels together",
                              default=False),

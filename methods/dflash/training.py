@@ -88,6 +88,10 @@ class BlockTrainSettings:
     learned_mask: bool = False  # the mask slots' input learned, from the target's mask-token row
     anchor_context: bool = False  # every block slot's input adds the context row of a-1 (BlockConfig)
     anchor_embedding: bool = False  # every mask slot's input adds the anchor's embedding (BlockConfig)
+    # z-lab's scale of the block's input embeddings (1: off). Below 1 it shrinks what a slot's raw
+    # embedding carries straight down the residual stream: with SmolLM2's lm_head tied to its
+    # embeddings, that path alone makes every slot predict its own input token.
+    input_embedding_scale: float = 1.0
     # The final norm's start: "target" copies the target's final norm (the shared lm_head's
     # scale); "ones", as the references (their drafter's norm starts at ones).
     norm_init: str = "target"
@@ -442,7 +446,8 @@ def train_block(target, settings, method: str, defaults: dict | None = None) -> 
                                     confidence_head_with_markov=train_settings.confidence_head_with_markov,
                                     tap_norm=train_settings.tap_norm, learned_mask=train_settings.learned_mask,
                                     anchor_context=train_settings.anchor_context,
-                                    anchor_embedding=train_settings.anchor_embedding)
+                                    anchor_embedding=train_settings.anchor_embedding,
+                                    input_embedding_scale=train_settings.input_embedding_scale)
     torch.manual_seed(settings.seed)
     model = BlockDraftModel(config)
     if draft_vocab:

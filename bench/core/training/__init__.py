@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 LATER_OPTIONS: dict[str, object] = {"taps": "", "loss_chunk_rows": 0, "checkpoint_layers": False,
                                      "fc_norm": False, "group_by_length": False, "tap_norm": False,
                                      "learned_mask": False, "anchor_context": False, "anchor_embedding": False,
+                                     "input_embedding_scale": 1.0,
                                      "norm_init": "target", "vocab_coverage": 0.0}
 
 
