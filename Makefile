@@ -68,7 +68,7 @@ all-results: $(STAMP)
 	$(MAKE) frspec
 	$(MAKE) pack-records
 
-# The settings of the papers' tables the grid does not run (bench/paper_tables.json): DSpark's Table 1,
+# The settings of the papers' tables the grid does not run (bench/report/paper_tables.json): DSpark's Table 1,
 # temperature 1 and chains of 7 drafts (EAGLE-3 as a top-1 chain 7 deep; DFlash and DSpark at block 7,
 # DSpark's confidence scheduler off), on GSM8K, HumanEval and MT-bench; tag paper-t1-b7. The report
 # sets each cell beside the published one.
@@ -93,7 +93,7 @@ pack-records: $(STAMP)
 grid-reports: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
 	  --tuned-tag $(GRID_TAG)-auto
-	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
+	$(BIN)/python -m bench.report.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
 
 # The grid on another machine kind, as its own series (`make machine-series SERIES=amx` on an AMX Xeon):
 # every method at its defaults (tag grid-SERIES), `bench tune` of SERIES_TUNE on this machine, those
@@ -110,7 +110,7 @@ machine-series: $(STAMP)
 	$(BIN)/python -m bench.grid --tag grid-$(SERIES)-auto --budget auto $(foreach m,$(SERIES_TUNE),--method $(m))
 	$(BIN)/python -m bench.grid --tag grid-$(SERIES)-frspec --method eagle --method eagle2 --option draft_vocab=16384
 	$(BIN)/bench report --tag grid-$(SERIES) --out plots/$(SERIES) --tuned-tag grid-$(SERIES)-auto
-	$(BIN)/python -m bench.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
+	$(BIN)/python -m bench.report.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
 	$(MAKE) pack-records
 
 # After drafters are retrained and shipped (`make train-at-scale` ships each as it ends): the grid's cells of
@@ -139,7 +139,7 @@ series-refresh: $(STAMP)
 	$(if $(filter $(SERIES_TUNE),$(METHODS)),$(BIN)/python -m bench.grid --tag grid-$(SERIES)-auto --budget auto \
 	  $(foreach m,$(filter $(SERIES_TUNE),$(METHODS)),--method $(m)))
 	$(BIN)/bench report --tag grid-$(SERIES) --out plots/$(SERIES) --tuned-tag grid-$(SERIES)-auto
-	$(BIN)/python -m bench.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
+	$(BIN)/python -m bench.report.summary --tag grid-$(SERIES) --readme grid-$(SERIES) --readme-path results/README.md
 	$(MAKE) pack-records
 	$(MAKE) grid-reports
 
@@ -149,7 +149,7 @@ FRSPEC := $(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --method 
 frspec: $(STAMP)
 	$(FRSPEC) --tag $(GRID_TAG)-frspec
 	$(FRSPEC) --budget 1 --tag $(GRID_TAG)-frspec-b1
-	$(BIN)/python -m bench.summary --tag $(GRID_TAG) --tag $(GRID_TAG)-frspec --tag $(GRID_TAG)-auto \
+	$(BIN)/python -m bench.report.summary --tag $(GRID_TAG) --tag $(GRID_TAG)-frspec --tag $(GRID_TAG)-auto \
 	  --tag $(GRID_TAG)-frspec-b1 --method eagle --method eagle2 --readme frspec --readme-path results/README.md
 
 # The tree methods at their references' default draft sizes, where this CPU's defaults are smaller
@@ -163,7 +163,7 @@ paper-draft: $(STAMP)
 	$(PAPER_DRAFT) --method eagle --option tree_nodes=63
 	$(PAPER_DRAFT) --method eagle2 --option total_token=60 --option depth=5 --option top_k=10
 	$(PAPER_DRAFT) --method eagle3 --option total_token=60 --option depth=7 --option top_k=10
-	$(BIN)/python -m bench.summary --tag paper-draft --readme paper-draft --readme-path results/README.md
+	$(BIN)/python -m bench.report.summary --tag paper-draft --readme paper-draft --readme-path results/README.md
 
 # MTP's parallel variant at scale: trained by `make train-at-scale
 # SCALE_TRAIN=mtp-parallel` into SCALE_OUT and not shipped (its three heads, a decoder layer each, would
@@ -180,7 +180,7 @@ mtp-parallel: $(STAMP)
 	else \
 	  $(BIN)/python -m bench.grid --tag mtp-parallel --method mtp --option variant=parallel \
 	    --option drafter=$(MTP_PARALLEL_DRAFTER) && \
-	  $(BIN)/python -m bench.summary --tag mtp-parallel --readme mtp-parallel --readme-path results/README.md; \
+	  $(BIN)/python -m bench.report.summary --tag mtp-parallel --readme mtp-parallel --readme-path results/README.md; \
 	fi
 
 # The block sweep on HumanEval and GSM8K (first 10 of each, 128 new tokens): tau at equal draft budgets k = 4, 8, 16
@@ -200,7 +200,7 @@ block-sweep: $(STAMP)
 	$(SWEEP) --tag thr --method dspark --option schedule=threshold --option threshold=0.5
 	for m in dflash dspark eagle3; do $(SWEEP) --tag t1 --temperature 1 --method $$m || exit 1; done
 	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
-	$(BIN)/python -m bench.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval --task gsm8k \
+	$(BIN)/python -m bench.report.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval --task gsm8k \
 	  --readme blocks --readme-path results/README.md
 
 # tau and speedup against the draft budget (--budget K: draft tokens verified per round) for every

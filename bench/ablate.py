@@ -248,7 +248,7 @@ def figure(record: dict, out: Path):
     as bars beside it."""
     import matplotlib.pyplot as plt
 
-    from bench.plots import _save
+    from bench.report.plots import _save
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     arms = record["arms"]

@@ -510,8 +510,8 @@ def report(results_dir, targets, tasks, methods, tags, out_dir, readme, load_tag
     """Tables (Markdown, LaTeX, CSV), figures (PNG, SVG) and one HTML report from run records."""
     from pathlib import Path
 
-    from bench.report import make_report
-    from bench.tables import display_table, to_markdown
+    from bench.report.build import make_report
+    from bench.report.tables import display_table, to_markdown
 
     result = make_report(Path(results_dir), Path(out_dir), targets, tasks, methods, tags,
                          Path("README.md") if readme else None, load_tags=load_tags, tuned_tags=tuned_tags)

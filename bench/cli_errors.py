@@ -1,4 +1,4 @@
-"""How every `bench` command ends on bad input or Ctrl-C (shared by bench, bench.summary, bench.grid)."""
+"""How every `bench` command ends on bad input or Ctrl-C (shared by bench, bench.report.summary, bench.grid)."""
 
 from __future__ import annotations
 

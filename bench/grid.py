@@ -19,7 +19,7 @@ every question of every suite, 256 new tokens, tag `full`. `--repeats N`: N whol
 the grid, one after another (pass k > 1 under tag `<tag>.rep<k>`), so every speedup also
 has its spread over passes; already recorded passes are skipped like any finished cell.
 `--remeasure-contended`: a method's records with turns that shared the CPU with another job
-(bench.tables.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
+(bench.report.tables.contended_turns) are moved aside to `<file>.contended[.N]` (kept, not read by
 reports) and the cell runs again. `--remeasure-stale`: the same for records that began long
 before or after the tag's shared AR baseline (`<file>.stale[.N]`); the cell runs again and,
 since that baseline is recorded, re-times each baseline turn right before its own (bench.run).
@@ -146,7 +146,7 @@ def _set_aside(path: Path, why: str) -> None:
 
 def set_aside_if_contended(path: Path) -> int:
     """Move a record file with contended turns to `<file>.contended[.N]`; returns how many."""
-    from bench.tables import contended_turns
+    from bench.report.tables import contended_turns
 
     if not has_records(path):
         return 0
@@ -157,10 +157,10 @@ def set_aside_if_contended(path: Path) -> int:
 
 
 def set_aside_if_stale(path: Path, base_path: Path) -> float | None:
-    """Move a method's record file that began more than bench.tables.BASELINE_AGE_MINUTES from
+    """Move a method's record file that began more than bench.report.tables.BASELINE_AGE_MINUTES from
     its shared baseline file (and whose turns do not carry re-timed baselines) to
     `<file>.stale[.N]`; returns the minutes between them when it did, else None."""
-    from bench.tables import BASELINE_AGE_MINUTES, baseline_age
+    from bench.report.tables import BASELINE_AGE_MINUTES, baseline_age
 
     if not has_records(path) or not has_records(base_path):
         return None

@@ -70,7 +70,7 @@ class UtilizationMonitor:
             util = 100.0 * (self._end[1] - self._start[1]) / wall / (os.cpu_count() or 1) if wall else 0.0
             import torch
 
-            # threads and cpus let a report tell a turn that shared the cores (bench.report).
+            # threads and cpus let a report tell a turn that shared the cores (bench.report.build).
             return {"kind": "cpu", "util_mean": round(util, 1), "threads": torch.get_num_threads(),
                     "cpus": os.cpu_count() or 1}
         utils = [s[1] for s in self.samples]

@@ -3,7 +3,7 @@ loop reaches for the same method on this machine when its drafts are accepted th
 
 Oracle acceptance (bench.core.oracle) keeps a method's real draft pass, tree shape and
 verification and sets only how much is accepted. `python -m bench.paper_regime` runs every
-(method, task) the papers' tables (bench/paper_tables.json) give a τ for at the acceptances
+(method, task) the papers' tables (bench/report/paper_tables.json) give a τ for at the acceptances
 ACCEPTS (tags oracle<a>, greedy, resumable). The report reads those runs' (τ, speedup) points
 and interpolates the speedup at the published τ, beside the paper's own speedup where it gave
 one: what our system costs, apart from what our drafters accept. A published τ past the
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from bench.paper_tables import PaperTable, load_paper_tables
+from bench.report.paper_tables import PaperTable, load_paper_tables
 
 ACCEPTS = (0.5, 0.7, 0.85, 0.95, 1.0)
 LIMIT, MAX_NEW_TOKENS = 3, 128  # questions per task and tokens per turn of each oracle run

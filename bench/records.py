@@ -42,8 +42,14 @@ BASELINE = "ar"  # the method every speedup is measured against; it runs beside 
 DRAFTER_NOTES = ("heldout",)
 
 
+# What a run records of its own settings as resolved, for readers (the report), not as identity:
+# draft tokens per round, from --budget or the method's options.
+RESOLVED_NOTES = ("draft_budget",)
+
+
 def identity_of(settings: dict) -> dict:
-    """A record header's settings as runs are compared (resume, the grid's revisions)."""
+    """A record header's settings as runs are compared (resume, the grid's revisions, repeats)."""
+    settings = {k: v for k, v in settings.items() if k not in RESOLVED_NOTES}
     drafter = settings.get("drafter")
     if not isinstance(drafter, dict) or not any(k in drafter for k in DRAFTER_NOTES):
         return settings
@@ -388,7 +394,7 @@ def _decoded_in_no_time(record: dict, unknown: set[str]) -> bool:
 @dataclass
 class Problem:
     """Something left out, missing or partial, shown in the report's "missing / partial"
-    section (and by bench.summary, bench run as warnings)."""
+    section (and by bench.report.summary, bench run as warnings)."""
     kind: str
     where: str
     detail: str
@@ -498,6 +504,17 @@ class RunFile:
             return self._wanted
         return self.headers[0]["settings"] if self.headers else {}
 
+    @cached_property
+    def draft_budget(self) -> int | None:
+        """Draft tokens per round as run (None: adaptive, not fixed, or no drafts). Records from
+        before runs wrote it down are resolved from their options by today's method code."""
+        settings = self.settings
+        if "draft_budget" in settings:
+            return settings["draft_budget"]
+        from bench.registry import recorded_budget
+
+        return recorded_budget(settings)
+
     @property
     def keys(self) -> set[tuple[str, int]]:
         return set(self._done)
@@ -508,7 +525,7 @@ class RunFile:
         with the task (ids repeat across suites: gsm8k and specbench both count from 1) and the
         repeat from the file (bench.metrics pairs a turn with the baseline turn of the same
         question, turn and repeat), and `_threads`, the torch threads of the invocation that
-        recorded it (bench.tables.contended_turns)."""
+        recorded it (bench.report.tables.contended_turns)."""
         return [{**t, "question_id": f"{self.task}/{t['question_id']}", "repeat": self.repeat,
                  "_threads": self._threads.get((t["question_id"], t["turn"]))} for t in self.turns]
 
@@ -739,7 +756,7 @@ def pool_repeats(runs: list[RunFile]) -> tuple[list[RunFile], list[Problem]]:
     first = runs[0].settings
     kept, problems = [runs[0]], []
     for run in runs[1:]:
-        if run.settings == first:
+        if identity_of(run.settings) == identity_of(first):
             kept.append(run)
             continue
         changed = sorted(k for k in set(first) | set(run.settings) if first.get(k) != run.settings.get(k))

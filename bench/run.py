@@ -228,10 +228,10 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
     """What determines a run's outputs and timings; resumed runs must match it. The method's
     options are recorded resolved (typed, --budget mapped): those given or set by the budget
     (a default run records {}); the budget itself only when one was given."""
-    from bench.registry import recorded_options
+    from bench.registry import recorded_budget, recorded_options
 
     own = method == settings.method
-    return {
+    recorded = {
         "method": method, "task": task_name(settings.task), "target": target.name,
         "target_fingerprint": target.fingerprint, "max_new_tokens": settings.max_new_tokens,
         "sampling": settings.sampling.to_dict(), "seed": settings.seed,
@@ -244,6 +244,7 @@ def record_settings(settings: RunSettings, method: str, target, decoder) -> dict
         # Which trained drafter produced the records (methods that load one expose `info`).
         **({"drafter": decoder.info} if getattr(decoder, "info", None) else {}),
     }
+    return {**recorded, "draft_budget": recorded_budget(recorded)}  # for readers: not part of the identity
 
 
 def check_context(target, prompt_len: int, max_new_tokens: int, question_id: str, turn: int) -> None:

@@ -208,7 +208,7 @@ def tune(target, methods: list[str], prompts: list[list[int]], results_dir: str 
 def tuned_overview(tuned, default, stale: set[str] = frozenset()):
     """The tuned series beside the grid's, pooled over tasks (bench report --tuned-tag): per
     method the budget it ran at, τ, speedup and exactness, and the speedup at its defaults.
-    `tuned`, `default`: the `overall` tables (bench.tables) of the two series; `stale`: methods
+    `tuned`, `default`: the `overall` tables (bench.report.tables) of the two series; `stale`: methods
     with a task recorded long after the shared baseline (marked *: "not interleaved")."""
     import math
 

@@ -110,7 +110,7 @@ def main(target: str, out: str, readme: str | None) -> None:
     path.write_text(json.dumps(result, indent=1))
     click.echo(f"-> {path}")
     if readme:
-        from bench.tables import update_readme
+        from bench.report.tables import update_readme
 
         update_readme(Path(readme), {"first-draft": markdown(result)})
         click.echo(f"-> {readme}")

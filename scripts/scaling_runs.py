@@ -114,7 +114,7 @@ def _report(results_dir, report_dir, tasks, methods, tags, compare) -> dict:
     """The scaling report of `tags` and of every scaling run kept in results_dir, not only this
     call's, so that the report of one method's runs keeps the other methods' lines."""
     from bench.records import record_files
-    from bench.report import make_report
+    from bench.report.build import make_report
 
     files = record_files(Path(results_dir), "*/*/*-scale-*")
     if not files and not tags:

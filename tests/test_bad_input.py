@@ -23,7 +23,7 @@ import bench.run
 from bench.cli import main as bench_main
 from bench.grid import main as grid_main
 from bench.records import RunFile, read_records
-from bench.summary import main as summary_main
+from bench.report.summary import main as summary_main
 from tasks import task_name
 
 MODEL = "smollm2-135m"  # the embedded default target's records folder

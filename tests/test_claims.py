@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from bench.claims import AGREE, DISAGREE, UNTESTABLE, Evidence, claims_table
+from bench.report.claims import AGREE, DISAGREE, UNTESTABLE, Evidence, claims_table
 
 
 def rows(**columns) -> pd.DataFrame:
@@ -38,9 +38,9 @@ def test_a_paper_table_sets_our_cell_beside_the_published_one_with_its_record(tm
 
     from report_helpers import TARGET, write_clean
 
-    from bench.paper_tables import load_paper_tables, paper_table
-    from bench.report import paper_tables_of
-    from bench.tables import build_tables, load_records
+    from bench.report.build import paper_tables_of
+    from bench.report.paper_tables import load_paper_tables, paper_table
+    from bench.report.tables import Shelf, build_tables, load_records
 
     write_clean(tmp_path / "results")
     spec = {"tables": [{"key": "k", "title": "T", "source": "S", "theirs": "them", "series": "t", "ours": "us",
@@ -54,7 +54,7 @@ def test_a_paper_table_sets_our_cell_beside_the_published_one_with_its_record(tm
     frame = paper_table(table, build_tables(records).per_task, runs)
     assert list(frame["ours"]) == ["3.00", "not run"] and list(frame["published"]) == ["1.75", "2.1x"]
     assert frame["our record"].iloc[0].endswith(f"{TARGET}/gsm8k/pld-t.jsonl")
-    shipped = paper_tables_of(tmp_path / "results", records, build_tables(records))  # the project's own tables
+    shipped = paper_tables_of(Shelf(tmp_path / "results"), records, build_tables(records))  # the project's own tables
     assert {t.key for t, _ in shipped} >= {"dspark-table1", "ddtree-results", "specbench-leaderboard"}
 
 
@@ -63,7 +63,7 @@ def test_the_context_sweep_builds_prompts_of_each_length_and_the_report_draws_it
 
     from bench.context_sweep import long_prompts
     from bench.core.target import chat_prompt
-    from bench.report import make_report
+    from bench.report.build import make_report
     from tasks import load_task
 
     pool = load_task("specbench")[:40]
@@ -87,7 +87,7 @@ def test_the_papers_regime_reads_the_speedup_at_each_published_tau(tmp_path):
     report's regime table reads the speedup at each τ a paper published for eagle3 there by
     linear interpolation, and a τ past the sweep's highest is out of reach, not extrapolated."""
     from bench.paper_regime import speedup_at
-    from bench.report import make_report
+    from bench.report.build import make_report
     from tests.report_helpers import turn, write_run
 
     curve = pd.DataFrame({"tau": [1.0, 3.0, 3.0], "speedup": [1.0, 1.8, 2.2]})

@@ -1,4 +1,4 @@
-"""Prose that cannot drift: every dotted name of the project (`bench.tables.contended_turns`)
+"""Prose that cannot drift: every dotted name of the project (`bench.report.tables.contended_turns`)
 and every repository path (`bench/core/verify.py`, `methods/mtp/model.FUSE_ORDERS`) that the
 Markdown files, the Makefile's comments and the code's comments and docstrings mention
 resolves to something that exists. Placeholders are written in capitals or angle brackets

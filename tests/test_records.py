@@ -355,7 +355,7 @@ def test_reports_read_packed_records_as_plain_ones(tmp_path):
     from report_helpers import write_clean
 
     from bench.records import pack, record_files
-    from bench.tables import load_records
+    from bench.report.tables import load_records
 
     results = tmp_path / "results"
     write_clean(results)
@@ -382,7 +382,7 @@ def test_a_drafters_heldout_note_is_not_part_of_a_runs_identity():
 def test_training_against_serving_flags_a_gap_over_ten_percent():
     from types import SimpleNamespace
 
-    from bench.serving_gap import gap_table
+    from bench.report.serving_gap import gap_table
 
     def run(method, predicted, accepts, temperature=0.0):
         turns = [{"accept_lengths": accepts, "proposed_lengths": [4] * len(accepts)}]

@@ -24,8 +24,8 @@ from report_helpers import PLD_ROUNDS, TARGET, turn, write_clean, write_profile,
 from bench import metrics
 from bench.cli import main
 from bench.core.errors import BenchError
-from bench.plots import Figured, Skipped, make_figures
-from bench.tables import (
+from bench.report.plots import Figured, Skipped, make_figures
+from bench.report.tables import (
     build_tables,
     display_table,
     load_records,
@@ -121,7 +121,7 @@ def test_bad_records_are_reported_and_nothing_else_is_lost(tmp_path):
 def test_pooled_revisions_follow_the_drafter_not_the_revision_number(tmp_path):
     """A task rerun more often numbers the same drafter's cells higher (MT-bench's grid.r3 is
     GSM8K's grid.r2): the pooled rows group cells by their settings, never across drafters."""
-    from bench.revisions import display_revisions, revisions_table
+    from bench.report.revisions import display_revisions, revisions_table
 
     write_clean(tmp_path, tag="grid")
     mt_keys = [("1", 1), ("1", 2), ("2", 1), ("2", 2)]
@@ -141,8 +141,8 @@ def test_pooled_revisions_follow_the_drafter_not_the_revision_number(tmp_path):
 def test_a_record_without_token_count_takes_the_shipped_drafter_of_its_weights(tmp_path, monkeypatch):
     """MTP's and SpS's records name their drafter by its weights' digest only: the table takes the
     trained tokens from the shipped drafter with those weights, and from no other."""
-    from bench import tables
     from bench.core import drafters
+    from bench.report import tables
 
     shipped = tmp_path / "shipped" / TARGET / "pld"
     shipped.mkdir(parents=True)
@@ -183,8 +183,8 @@ def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
 
 
 def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
-    from bench.report import make_report
-    from bench.revisions import display_revisions, revisions_table
+    from bench.report.build import make_report
+    from bench.report.revisions import display_revisions, revisions_table
 
     write_clean(tmp_path, tag="grid")  # gsm8k: pld speedup 4 (a 0.2M-token drafter), MT-bench 2
     write_run(tmp_path, "gsm8k", "ar", "grid.r2", [turn("1", ttft=0.2, decode=1.8)])
@@ -219,8 +219,8 @@ def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):
     headline = next(line for line in readme.read_text().splitlines() if line.startswith("| pld |"))
     assert headline.endswith("| 3.00, 4.00x (grid) |") and "Before and after" not in readme.read_text()
     assert "| pld | grid.r2 |" in results_readme.read_text() and "| pld | grid.r2 |" not in readme.read_text()
-    # python -m bench.summary reads each method's newest revision, against that revision's baseline.
-    from bench.summary import summary_rows
+    # python -m bench.report.summary reads each method's newest revision, against that revision's baseline.
+    from bench.report.summary import summary_rows
 
     rows = {(r["task"], r["method"]): r for r in summary_rows(tmp_path, TARGET, "grid")}
     assert rows[("gsm8k", "pld")]["speedup"] == pytest.approx(2.0) and rows[("gsm8k", "pld")]["turns"] == 1
@@ -368,7 +368,7 @@ def test_bench_report_bad_input_is_one_line(tmp_path):
 
 
 def test_reference_numbers_cite_a_source():
-    from bench.html_report import load_references
+    from bench.report.html import load_references
 
     rows = load_references()
     methods_readme = Path(__file__).resolve().parent.parent / "methods" / "README.md"
@@ -506,9 +506,9 @@ def test_grid_methods_come_from_the_registry():
 
 
 def test_summary_table_into_readme(tmp_path):
-    """`python -m bench.summary --readme NAME` writes the per-task table between the markers:
+    """`python -m bench.report.summary --readme NAME` writes the per-task table between the markers:
     pld on MT-bench has τ 3 and speedup 2 (write_clean), GSM8K speedup 4."""
-    from bench.summary import main as summary_main
+    from bench.report.summary import main as summary_main
     write_clean(tmp_path / "results", tag="g")
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- grid:start -->\nold\n<!-- grid:end -->\ny\n")
@@ -533,7 +533,7 @@ def test_summary_table_into_readme(tmp_path):
 def test_summary_names_cells_timed_at_other_thread_counts(tmp_path):
     """A series whose cells ran at different torch thread counts says which ran at which (a
     pooled row would compare them); one thread count throughout adds no line."""
-    from bench.summary import format_table, summary_rows
+    from bench.report.summary import format_table, summary_rows
     results = tmp_path / "results"
     write_clean(results, tag="g")
     rows = summary_rows(results, TARGET, "g")
@@ -566,11 +566,11 @@ def test_repeats_pool_and_pair_within_their_pass(tmp_path):
     assert pld["speedup"] == pytest.approx(3.0) and pld["speedup_repeats"] == pytest.approx([2.0, 4.0])
     shown = to_markdown(display_table(summarize(records, "overall")))
     assert "| 3.00x [2.00, 4.00] (2 passes) |" in shown and "speedup over repeats" in shown.splitlines()[0]
-    from bench.summary import format_table, summary_rows
-    (summary_row,) = summary_rows(tmp_path, TARGET, "t")  # python -m bench.summary pools the passes too
+    from bench.report.summary import format_table, summary_rows
+    (summary_row,) = summary_rows(tmp_path, TARGET, "t")  # python -m bench.report.summary pools the passes too
     assert summary_row["speedup"] == pytest.approx(3.0) and summary_row["speedup_repeats"] == pytest.approx([2.0, 4.0])
     assert format_table([summary_row]).endswith("| 3.00x [2.00, 4.00] (2 passes) |")
-    from bench.report import readme_blocks
+    from bench.report.build import readme_blocks
     assert "Sample sizes (AR turns per task): mtbench: 4 turns x 2 passes." in readme_blocks(
         build_tables(records), records, "bench report")["report"]
     # A pass without its own baseline is reported, not paired with another pass's baseline.
@@ -668,7 +668,7 @@ def test_two_training_runs_in_one_folder_keep_their_own_scaling_tags_and_lines(t
     write_run(tmp_path, "mtbench", "pld", tag, [turn(q, n, decode=0.4, draft=0.1, verify=0.3, exact=True,
                                                      proposed=(3, 3, 3), accepted=(3, 3, 3)) for q, n in keys],
               drafter={"drafter": "methods/checkpoints/x/pld", "trained_tokens": 6_000_000})
-    from bench.scaling import scaling_fit, scaling_rows
+    from bench.report.scaling import scaling_fit, scaling_rows
 
     fit = scaling_fit(scaling_rows(build_tables(load_records(tmp_path)).per_task)).set_index("run")
     assert fit.loc[later, "sizes"] == 3 and fit.loc[first, "sizes"] == 2  # a line per run, not one mixed
@@ -687,7 +687,7 @@ def test_scaling_fit_is_the_log_linear_line():
     line rises 0; the largest size's τ is quoted."""
     import pandas as pd
 
-    from bench.scaling import scaling_fit
+    from bench.report.scaling import scaling_fit
 
     rows = pd.DataFrame([{"method": "eagle3", "task": "mtbench", "trained_tokens": t,
                           "tau": 1 + 0.5 * math.log10(t / 1e5)} for t in (2e5, 1e6, 5e6)]
@@ -700,7 +700,7 @@ def test_scaling_fit_is_the_log_linear_line():
 def test_a_shipped_copy_is_the_drafter_its_training_folder_ran():
     """`bench ship` adds keys to the manifest it copies, so a shipped drafter's manifest digest
     differs from its training folder's: the tables tell drafters apart by their export instead."""
-    from bench.tables import _drafter_id
+    from bench.report.tables import _drafter_id
 
     trained = {"manifest_sha": "aaa", "exported_at": "2026-12-05T17:59:11Z", "trained_tokens": 6344208}
     assert _drafter_id({**trained, "manifest_sha": "bbb"}) == _drafter_id(trained)
@@ -736,7 +736,7 @@ def test_drafters_table_shows_how_each_shipped_drafter_was_trained(tmp_path, mon
     and the command and machine `bench train` records; older manifests say 'not recorded'."""
     import bench.core.drafters as drafters
     from bench.core.drafters import record_training_run, write_drafter
-    from bench.report import drafters_table
+    from bench.report.build import drafters_table
 
     monkeypatch.setattr(drafters, "SHIPPED_ROOTS", [tmp_path])
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
@@ -822,7 +822,7 @@ def test_a_late_method_whose_turns_carry_their_own_baseline_is_paired_with_it(tm
 
 
 def test_the_profile_block_reads_every_figure_from_the_kept_records(tmp_path):
-    from bench.report import profile_block
+    from bench.report.build import profile_block
 
     write_clean(tmp_path)
     write_profile(tmp_path)
@@ -862,9 +862,9 @@ def test_training_curves_come_from_the_shipped_drafters_logs(tmp_path, monkeypat
 
     import methods  # noqa: F401  (its shipped root registered before the test's replaces it)
     from bench.core import drafters
-    from bench.plots import Figured, Skipped, training_curves
     from bench.records import Problem
-    from bench.report import shipped_training_logs
+    from bench.report.build import shipped_training_logs
+    from bench.report.plots import Figured, Skipped, training_curves
 
     def shipped(target, method, lines, heldout=None, manifest=None):
         folder = tmp_path / "shipped" / target / method
@@ -933,3 +933,32 @@ def test_grid_skips_packed_cells_resumes_them_and_sets_them_aside(tmp_path, tiny
     aside = folder / "pld-grid.jsonl.gz.contended"
     assert gzip.decompress(aside.read_bytes()).decode().endswith(json.dumps(slow) + "\n")
     assert "contended" not in kinds(load_records(results, tags=("grid",)))
+
+
+def test_the_report_reads_the_shelf_once_and_imports_no_method(tmp_path):
+    """Records that carry their draft budget are reported without any method's code (a clean
+    interpreter), and every record file is read once however many selections the report makes."""
+    import subprocess
+    import sys
+
+    results = tmp_path / "results"
+    for method, budget in (("ar", None), ("pld", 3)):
+        write_run(results, "gsm8k", method, "t", [turn("1", decode=0.5 if budget else 1.0, **(
+            PLD_ROUNDS if budget else {}))], draft_budget=budget)
+    write_profile(results)
+    script = ("import sys; from unittest import mock; from pathlib import Path\n"
+              "import bench.report.tables as tables\n"
+              "from bench.report.build import make_report\n"
+              "reads = []\n"
+              "real = tables.read_run\n"
+              "def counted(path, problems): reads.append(path); return real(path, problems)\n"
+              "with mock.patch.object(tables, 'read_run', counted):\n"
+              f"    report = make_report(Path({str(results)!r}), Path({str(tmp_path / 'out')!r}), load_tags=('t',),"
+              " tuned_tags=('t',))\n"
+              "print(sorted(m for m in sys.modules if m.startswith('methods.')))\n"
+              "print(len(reads), len(set(reads)))\n"
+              "print(report['tables'].per_task.set_index('method').loc['pld', 'budget'])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]"
+    assert out[1] == "2 2"
+    assert float(out[2]) == 3.0

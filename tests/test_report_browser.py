@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from report_helpers import write_clean, write_profile
 
-from bench.report import make_report
+from bench.report.build import make_report
 
 BROWSER = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium)")

@@ -16,8 +16,8 @@ from report_helpers import PLD_ROUNDS, TARGET, turn, write_run
 from bench import metrics
 from bench.cli import main
 from bench.records import RunFile, turn_problem
+from bench.report.tables import load_records, summarize
 from bench.specbench import read_answers, specbench_speed
-from bench.tables import load_records, summarize
 
 # Question 1 has two turns, question 2 one; their lengths differ, so the conventions differ.
 # AR:  q1: 40 tokens in 2.0 s, 20 in 1.0 s; q2: 10 tokens in 1.0 s       (4.0 s, 70 tokens)

@@ -148,8 +148,8 @@ def test_the_grid_runs_each_method_at_its_tuned_budget(default_target, tmp_path,
 def test_the_report_shows_the_tuned_series_beside_the_grid(tmp_path):
     """A hand-made grid (eagle3 at its defaults, 0.5x AR) and grid-auto (eagle3 at budget 2,
     AR 1.0 s against 0.8 s per turn: 1.25x): the tuned table and tables/tuned.csv."""
-    from bench.plots import Figured
-    from bench.report import make_report
+    from bench.report.build import make_report
+    from bench.report.plots import Figured
     from tests.report_helpers import turn, write_run
 
     results = tmp_path / "results"

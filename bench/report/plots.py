@@ -1,6 +1,6 @@
 """Figures of a report (matplotlib, Agg, no pyplot state): PNG for the HTML report, SVG for papers.
 
-Every figure is drawn from the summary frames of bench.report (which come from bench.metrics
+Every figure is drawn from the summary frames of bench.report.build (which come from bench.metrics
 over the kept records) or from `bench profile` files; a figure with nothing to draw is
 returned as `Skipped` with the reason, and the report lists it.
 """
@@ -20,8 +20,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from bench.scaling import scaling_fit, scaling_rows, training_runs  # noqa: E402
-from bench.tables import BASELINE, Records, Tables  # noqa: E402
+from bench.report.scaling import scaling_fit, scaling_rows, training_runs  # noqa: E402
+from bench.report.tables import BASELINE, Records, Tables  # noqa: E402
 
 # Stable file contents for the same inputs (committed figures should not churn).
 RC = {"svg.hashsalt": "bench-report", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False}
@@ -547,7 +547,7 @@ def make_figures(records: Records, tables: Tables, out: Path, load: pd.DataFrame
                  training_logs: list[dict] | None = None) -> list[Figured | Skipped]:
     """Every figure from the selection's tables; `load`: a load sweep's per-task rows, drawn
     in the load figure instead of the selection's; `training_logs`: the shipped drafters'
-    (bench.report.shipped_training_logs)."""
+    (bench.report.build.shipped_training_logs)."""
     out = Path(out) / "figures"
     per_task, overall = tables.per_task, tables.overall
     if per_task.empty:

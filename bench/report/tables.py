@@ -1,4 +1,4 @@
-"""Run records -> tables (Markdown, LaTeX, CSV): what `bench report` and `bench.summary` show.
+"""Run records -> tables (Markdown, LaTeX, CSV): what `bench report` and `bench.report.summary` show.
 
 Records are read by bench.records' one rule: a line left out (corrupt, malformed, a
 duplicate turn), an unfinished last line, a file with no finished turn, a method without its
@@ -81,61 +81,92 @@ def _selected(value: str, wanted: tuple[str, ...] | None) -> bool:
     return not wanted or value in wanted
 
 
-def load_records(results_dir: Path, targets: tuple[str, ...] | None = None, tasks: tuple[str, ...] | None = None,
-                 methods: tuple[str, ...] | None = None, tags: tuple[str, ...] | None = None) -> Records:
-    """Read every record file under results/<target>/<task>/ that the filters select.
-    `tags` select series: "grid" also takes its revisions grid.r2, grid.r3 ..."""
-    results_dir = Path(results_dir)
-    if not results_dir.is_dir():
-        raise BenchError(f"results folder not found: {results_dir}")
-    problems: list[Problem] = []
-    found: dict[tuple[str, str, str, str], list[RunFile]] = {}
-    target_dirs = [d for d in sorted(results_dir.iterdir()) if _selected(d.name, targets) and _is_target_dir(d)]
-    if targets:
-        for name in set(targets) - {d.name for d in target_dirs}:
-            problems.append(Problem("missing", str(results_dir / name), "no records for this target"))
-    profiles, manifests, tunings, seen = [], [], [], 0
-    for target_dir in target_dirs:
-        profiles += _read_profiles(target_dir, problems)
-        tunings += _read_tunings(target_dir, problems)
-        manifests += _read_manifests(target_dir, tags, problems)
-        for task_dir in sorted(d for d in target_dir.iterdir() if d.is_dir()):
-            if not _selected(task_dir.name, tasks):
-                continue
-            for path in record_files(task_dir):
-                file_problems: list[Problem] = []
-                run = read_run(path, file_problems)
-                method, _, tag = path.stem.partition("-")  # a file left out still counts as seen
-                method, series = (run.method, run.series) if run else (method, parse_tag(tag)[0])
-                if not _selected(method, methods) or not _selected(series, tags):
+class Shelf:
+    """A results folder as one report reads it: every record file, profile, tuning and grid
+    manifest read at most once, however many selections (`select`) the report makes."""
+
+    def __init__(self, results_dir: Path) -> None:
+        self.results_dir = Path(results_dir)
+        if not self.results_dir.is_dir():
+            raise BenchError(f"results folder not found: {self.results_dir}")
+        self._targets: dict[Path, tuple[list[dict], list[dict], list[dict], list[Problem]]] = {}
+        self._runs: dict[Path, tuple[RunFile | None, list[Problem]]] = {}
+
+    def _target(self, target_dir: Path) -> tuple[list[dict], list[dict], list[dict], list[Problem]]:
+        if target_dir not in self._targets:
+            problems: list[Problem] = []
+            self._targets[target_dir] = (_read_profiles(target_dir, problems), _read_tunings(target_dir, problems),
+                                         _read_manifests(target_dir, problems), problems)
+        return self._targets[target_dir]
+
+    def _run(self, path: Path) -> tuple[RunFile | None, list[Problem]]:
+        if path not in self._runs:
+            problems: list[Problem] = []
+            self._runs[path] = read_run(path, problems), problems
+        return self._runs[path]
+
+    def select(self, targets: tuple[str, ...] | None = None, tasks: tuple[str, ...] | None = None,
+               methods: tuple[str, ...] | None = None, tags: tuple[str, ...] | None = None) -> Records:
+        """The records of every file under results/<target>/<task>/ that the filters select.
+        `tags` select series: "grid" also takes its revisions grid.r2, grid.r3 ..."""
+        problems: list[Problem] = []
+        found: dict[tuple[str, str, str, str], list[RunFile]] = {}
+        target_dirs = [d for d in sorted(self.results_dir.iterdir()) if _selected(d.name, targets)
+                       and _is_target_dir(d)]
+        if targets:
+            for name in set(targets) - {d.name for d in target_dirs}:
+                problems.append(Problem("missing", str(self.results_dir / name), "no records for this target"))
+        profiles, manifests, tunings, seen = [], [], [], 0
+        for target_dir in target_dirs:
+            target_profiles, target_tunings, target_manifests, target_problems = self._target(target_dir)
+            profiles += target_profiles
+            tunings += target_tunings
+            manifests += [m for m in target_manifests if _selected(m["tag"], tags)]
+            problems += target_problems
+            for task_dir in sorted(d for d in target_dir.iterdir() if d.is_dir()):
+                if not _selected(task_dir.name, tasks):
                     continue
-                seen += 1
-                problems += file_problems
-                if run is not None:
-                    found.setdefault((run.target, run.task, run.method, run.series), []).append(run)
-    runs, superseded = [], []
-    for revisions in found.values():
-        revisions.sort(key=lambda r: (r.revision, r.repeat))
-        newest = revisions[-1].revision
-        kept, mixed = pool_repeats([r for r in revisions if r.revision == newest])  # with its repeats
-        runs += kept
-        problems += mixed
-        for old in revisions:
-            if old.revision != newest:
-                superseded.append(old)
-                problems.append(Problem("superseded", str(old.path), "an older revision of the series (other "
-                                        f"settings); the tables use {kept[0].path.name}"))
-    runs.sort(key=lambda r: (r.target, r.task, r.series, r.method != BASELINE, r.method, r.repeat))
-    if not seen:
-        where = ", ".join(f"{k} {' '.join(v)}" for k, v in (("target", targets), ("task", tasks),
-                                                           ("method", methods), ("tag", tags)) if v)
-        raise BenchError(f"no run records under {results_dir}" + (f" for {where}" if where else ""))
-    records = Records(runs, problems, profiles, manifests, superseded, tunings)
-    _check_coverage(records)
-    _check_pairing(records)
-    _check_contention(records)
-    _check_baseline_age(records)
-    return records
+                for path in record_files(task_dir):
+                    method, _, tag = path.stem.partition("-")  # a file left out still counts as seen
+                    run, file_problems = self._run(path)
+                    method, series = (run.method, run.series) if run else (method, parse_tag(tag)[0])
+                    if not _selected(method, methods) or not _selected(series, tags):
+                        continue
+                    seen += 1
+                    problems += file_problems
+                    if run is not None:
+                        found.setdefault((run.target, run.task, run.method, run.series), []).append(run)
+        runs, superseded = [], []
+        for revisions in found.values():
+            revisions.sort(key=lambda r: (r.revision, r.repeat))
+            newest = revisions[-1].revision
+            kept, mixed = pool_repeats([r for r in revisions if r.revision == newest])  # with its repeats
+            runs += kept
+            problems += mixed
+            for old in revisions:
+                if old.revision != newest:
+                    superseded.append(old)
+                    problems.append(Problem("superseded", str(old.path), "an older revision of the series (other "
+                                            f"settings); the tables use {kept[0].path.name}"))
+        runs.sort(key=lambda r: (r.target, r.task, r.series, r.method != BASELINE, r.method, r.repeat))
+        if not seen:
+            where = ", ".join(f"{k} {' '.join(v)}" for k, v in (("target", targets), ("task", tasks),
+                                                               ("method", methods), ("tag", tags)) if v)
+            raise BenchError(f"no run records under {self.results_dir}" + (f" for {where}" if where else ""))
+        records = Records(runs, problems, profiles, manifests, superseded, tunings)
+        _check_coverage(records)
+        _check_pairing(records)
+        _check_contention(records)
+        _check_baseline_age(records)
+        return records
+
+
+def load_records(results: Path | Shelf, targets: tuple[str, ...] | None = None,
+                 tasks: tuple[str, ...] | None = None, methods: tuple[str, ...] | None = None,
+                 tags: tuple[str, ...] | None = None) -> Records:
+    """`Shelf.select` of a results folder (or of a shelf already read)."""
+    shelf = results if isinstance(results, Shelf) else Shelf(results)
+    return shelf.select(targets, tasks, methods, tags)
 
 
 def _is_target_dir(folder: Path) -> bool:
@@ -181,7 +212,7 @@ def _read_tunings(target_dir: Path, problems: list[Problem]) -> list[dict]:
     return tunings
 
 
-def _read_manifests(target_dir: Path, tags: tuple[str, ...] | None, problems: list[Problem]) -> list[dict]:
+def _read_manifests(target_dir: Path, problems: list[Problem]) -> list[dict]:
     """Grid manifests (bench.grid): what was planned, and which cells could not run."""
     manifests = []
     for path in sorted(target_dir.glob("grid-*.json")):
@@ -191,8 +222,7 @@ def _read_manifests(target_dir: Path, tags: tuple[str, ...] | None, problems: li
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             problems.append(Problem("corrupt", str(path), f"unreadable grid manifest ({type(exc).__name__})"))
             continue
-        if _selected(manifest["tag"], tags):
-            manifests.append({**manifest, "path": str(path), "target": target_dir.name})
+        manifests.append({**manifest, "path": str(path), "target": target_dir.name})
     return manifests
 
 
@@ -424,8 +454,6 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
     """One row per (target, series, method[, task | category]).
     by: "task" (a row per run), "overall" (turns pooled over tasks), "category"
     (MT-bench and Spec-Bench split by question category)."""
-    from bench.registry import recorded_budget
-
     names = {"task": ["target", "series", "task", "method"], "overall": ["target", "series", "method"],
              "category": ["target", "series", "task", "category", "method"]}[by]
     groups: dict[tuple, dict] = {}
@@ -441,7 +469,7 @@ def summarize(records: Records, by: str = "task") -> pd.DataFrame:
                       "method": run.method}
             drafter = run.settings.get("drafter") if isinstance(run.settings.get("drafter"), dict) else {}
             group = groups.setdefault(tuple(values[n] for n in names), {
-                "method": [], "base": [], "tasks": set(), "budget": recorded_budget(run.settings),
+                "method": [], "base": [], "tasks": set(), "budget": run.draft_budget,
                 # Not every method's records carry it (MTP, SpS, Medusa): then the shipped drafter's
                 # of the same weights, else the scaling tag's count.
                 "trained_tokens": drafter.get("trained_tokens") or (

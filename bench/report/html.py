@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from bench.core.provenance import git_sha
-from bench.plots import Figured, Skipped
-from bench.revisions import display_revisions, revisions_table
-from bench.tables import BASELINE_AGE_MINUTES, Records, Tables, display_table
+from bench.report.plots import Figured, Skipped
+from bench.report.revisions import display_revisions, revisions_table
+from bench.report.tables import BASELINE_AGE_MINUTES, Records, Tables, display_table
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -190,7 +190,7 @@ def _claims(claims: pd.DataFrame) -> str:
 
 
 def _serving(records: Records) -> str:
-    from bench.serving_gap import GAP, gap_table
+    from bench.report.serving_gap import GAP, gap_table
 
     frame = gap_table(records.runs)
     if frame.empty:
@@ -251,9 +251,9 @@ def render(records: Records, tables: Tables, figures: list[Figured | Skipped], s
         ("missing", "Missing and partial records", _problems(records, figures)),
         ("references", "Reported by the papers (not measured here)",
          '<p class="ref">The numbers in this section are <b>reported by the papers</b> and the Spec-Bench '
-         "leaderboard for other targets and hardware (bench/reference_numbers.json, sources in methods/README.md); "
-         "rows marked recalled were taken from memory of the paper, not re-read. Compare orderings, "
-         "not values.</p><h3>Ordering: ours beside the Spec-Bench leaderboard</h3>"
+         "leaderboard for other targets and hardware (bench/report/reference_numbers.json, sources in "
+         "methods/README.md); rows marked recalled were taken from memory of the paper, not re-read. "
+         "Compare orderings, not values.</p><h3>Ordering: ours beside the Spec-Bench leaderboard</h3>"
          + _table(ordering_table(tables.overall, references) if not tables.overall.empty else pd.DataFrame())
          + "<h3>All reported numbers</h3>" + _table(references_table(references))),
         ("runs", "Runs and provenance", _provenance(records)),

@@ -15,7 +15,7 @@ import math
 import pandas as pd
 
 from bench.records import BASELINE, RunFile, parse_tag, pool_repeats
-from bench.tables import Records, summarize
+from bench.report.tables import Records, summarize
 
 NEWEST = "(newest)"
 

@@ -1,7 +1,7 @@
 """The papers' tables beside ours: each published table re-shaped with our measured value in
 every cell it has, from the kept records of the series run at the paper's setting.
 
-The published numbers are data (bench/paper_tables.json: each table's source, the paper's
+The published numbers are data (bench/report/paper_tables.json: each table's source, the paper's
 target, hardware and setting, each cell's value) and the cells we measure come from the
 records of the series named there (the grid's for greedy tables; `make paper-tables` runs
 the settings the grid does not, such as DSpark's T = 1 at block 7), each cell naming the

@@ -1,5 +1,5 @@
-"""`bench report`: the tables (bench.tables), the figures (bench.plots) and one HTML page
-(bench.html_report) from the kept records, and the generated README blocks (the headline
+"""`bench report`: the tables (bench.report.tables), the figures (bench.report.plots) and one HTML page
+(bench.report.html) from the kept records, and the generated README blocks (the headline
 table in README.md, the references in results/README.md)."""
 
 from __future__ import annotations
@@ -14,26 +14,26 @@ from pathlib import Path
 import pandas as pd
 
 from bench.ablate import figure, records_in
-from bench.claims import Evidence, claims_table
 from bench.core.errors import BenchError
-from bench.html_report import load_references, references_table, render, write_html
 from bench.paper_regime import ORACLE_PREFIX, regime_table
-from bench.paper_tables import PaperTable, load_paper_tables, paper_table
-from bench.plots import Figured, context_sweep, make_figures
 from bench.records import Problem, split_repeat, split_revision
-from bench.revisions import NEWEST, display_revisions, revisions_table
-from bench.tables import (
+from bench.report.claims import Evidence, claims_table
+from bench.report.html import load_references, references_table, render, write_html
+from bench.report.paper_tables import PaperTable, load_paper_tables, paper_table
+from bench.report.plots import Figured, context_sweep, make_figures
+from bench.report.revisions import NEWEST, display_revisions, revisions_table
+from bench.report.tables import (
     BASELINE,
     BASELINE_AGE_MINUTES,
     HEADLINE,
     RESULTS_README,
     Records,
     RunFile,
+    Shelf,
     Tables,
     build_tables,
     csv_table,
     display_table,
-    load_records,
     to_markdown,
     update_readmes,
     write_tables,
@@ -70,8 +70,8 @@ def readme_blocks(tables: Tables, records: Records, command: str,
     refs = references_table(load_references())
     return {"report": to_markdown(with_first_revision(tables.overall, revisions)) + note, **blocks,
             "references": to_markdown(refs) + "\n\nReported by the papers and the Spec-Bench leaderboard "
-            "(other targets, other hardware), from bench/reference_numbers.json with the sources methods/README.md "
-            "lists; not measured here."}
+            "(other targets, other hardware), from bench/report/reference_numbers.json with the sources "
+            "methods/README.md lists; not measured here."}
 
 
 def with_first_revision(overall: pd.DataFrame, revisions: pd.DataFrame) -> pd.DataFrame:
@@ -141,15 +141,15 @@ STALE_NOTE = (f"\\* recorded more than {BASELINE_AGE_MINUTES} min after the tag'
               "(the report's \"not interleaved\"): that speedup compares the machine at two moments, not two methods.")
 
 
-def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list[tuple[PaperTable, pd.DataFrame]]:
-    """Each published table (bench/paper_tables.json) beside our cells: from this report's
+def paper_tables_of(shelf: Shelf, records: Records, tables: Tables) -> list[tuple[PaperTable, pd.DataFrame]]:
+    """Each published table (bench/report/paper_tables.json) beside our cells: from this report's
     records where the table's series is among them, else from that series' own records."""
     out = []
     for table in load_paper_tables():
         selected = records if table.series in set(tables.per_task.get("series", ())) else None
         if selected is None:
             try:
-                selected = load_records(Path(results_dir), tags=(table.series,))
+                selected = shelf.select(tags=(table.series,))
             except BenchError:
                 selected = None
         per_task = build_tables(selected).per_task if selected is not None else None
@@ -161,20 +161,19 @@ def paper_tables_of(results_dir: Path, records: Records, tables: Tables) -> list
     return out
 
 
-def numbered_series_of(results_dir: Path, prefix: str, targets: tuple[str, ...] = ()) -> pd.DataFrame | None:
+def numbered_series_of(shelf: Shelf, prefix: str, targets: tuple[str, ...] = ()) -> pd.DataFrame | None:
     """The per-task rows of every series named `prefix` and a number (ctx512: the context
     sweep, python -m bench.context_sweep; oracle0.5: python -m bench.paper_regime) of
-    `targets` (all where empty), or None where results_dir has none."""
+    `targets` (all where empty), or None where the shelf has none."""
     tags = set()
-    for path in Path(results_dir).glob(f"*/*/*-{prefix}*.jsonl*"):
+    for path in shelf.results_dir.glob(f"*/*/*-{prefix}*.jsonl*"):
         series = split_revision(split_repeat(path.name.split("-", 1)[1].split(".jsonl")[0])[0])[0]
         if series[len(prefix):len(prefix) + 1].isdigit():
             tags.add(series)
     if not tags:
         return None
     try:
-        return build_tables(load_records(Path(results_dir), targets=tuple(targets),
-                                         tags=tuple(sorted(tags)))).per_task
+        return build_tables(shelf.select(targets=tuple(targets) or None, tags=tuple(sorted(tags)))).per_task
     except BenchError:
         return None
 
@@ -182,12 +181,12 @@ def numbered_series_of(results_dir: Path, prefix: str, targets: tuple[str, ...] 
 BLOCK_SWEEP_TAGS = ("b4", "b8", "b16")  # `make block-sweep`: the drafters at block (budget) 4, 8, 16
 
 
-def evidence_of(results_dir: Path, tables: Tables, load: pd.DataFrame | None, profiles: list[dict]) -> Evidence:
+def evidence_of(shelf: Shelf, tables: Tables, load: pd.DataFrame | None, profiles: list[dict]) -> Evidence:
     """What the claims table reads: this report's tables, the block sweep's and (where this
     report drew none) the load sweep's kept series, the hardware profiles."""
     def series(tags: tuple[str, ...]) -> pd.DataFrame | None:
         try:
-            return build_tables(load_records(Path(results_dir), tags=tags)).per_task
+            return build_tables(shelf.select(tags=tags)).per_task
         except BenchError:
             return None
     if load is None:
@@ -317,20 +316,21 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
     the other blocks into `results_readme` (default: results/README.md beside `readme`).
     `load_tags`: a load sweep's series, drawn in the load figure only (not in the tables).
     `tuned_tags`: the grid at each method's tuned budget (bench.tune), shown beside the grid."""
-    records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tags or None)
+    shelf = Shelf(Path(results_dir))  # every file read once, whatever the selections below
+    records = shelf.select(targets or None, tasks or None, methods or None, tags or None)
     tables = build_tables(records)
     tuned = tuned_view = None
     if tuned_tags:
-        tuned_records = load_records(Path(results_dir), targets or None, tasks or None, methods or None, tuned_tags)
+        tuned_records = shelf.select(targets or None, tasks or None, methods or None, tuned_tags)
         tuned = build_tables(tuned_records)
         stale = {Path(p.where).name.split("-", 1)[0] for p in tuned_records.problems if p.kind == "not interleaved"}
         tuned_view = tuned_overview(tuned.overall, tables.overall, stale)
         records.problems.extend(tuned_records.problems)
     load = None
     if load_tags:
-        load_records_ = load_records(Path(results_dir), targets or None, tasks or None, methods or None, load_tags)
-        load = build_tables(load_records_).per_task
-        records.problems.extend(load_records_.problems)
+        load_records = shelf.select(targets or None, tasks or None, methods or None, load_tags)
+        load = build_tables(load_records).per_task
+        records.problems.extend(load_records.problems)
     out = Path(out)
     selection = {"results": str(results_dir), "target": list(targets) or "all", "task": list(tasks) or "all",
                  "method": list(methods) or "all", "tag": list(tags) or "all"}
@@ -357,19 +357,19 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         if tuned is not None:
             written.append(stage / "tables" / "tuned.csv")
             csv_table(tuned.per_task).to_csv(written[-1], index=False)
-        claims = claims_table(evidence_of(Path(results_dir), tables, load, records.profiles))
+        claims = claims_table(evidence_of(shelf, tables, load, records.profiles))
         written.append(stage / "tables" / "claims.csv")
         claims.to_csv(written[-1], index=False)
-        papers = paper_tables_of(Path(results_dir), records, tables)
+        papers = paper_tables_of(shelf, records, tables)
         for table, frame in papers:
             written.append(stage / "tables" / f"paper-{table.key}.csv")
             frame.to_csv(written[-1], index=False)
-        regime = regime_table(load_paper_tables(), numbered_series_of(Path(results_dir), ORACLE_PREFIX, tuple(targets)))
+        regime = regime_table(load_paper_tables(), numbered_series_of(shelf, ORACLE_PREFIX, tuple(targets)))
         written.append(stage / "tables" / "paper-regime.csv")
         regime.to_csv(written[-1], index=False)
         studies = [r for r in records_in(Path(results_dir)) if not targets or r["target"] in targets]
         drawn = [figure(r, stage / "figures") for r in studies if r["arms"]]
-        contexts = numbered_series_of(Path(results_dir), "ctx", tuple(targets))
+        contexts = numbered_series_of(shelf, "ctx", tuple(targets))
         if contexts is not None:
             drawn.append(context_sweep(contexts, stage / "figures"))
         drawn = [f for f in drawn if isinstance(f, Figured)]

@@ -1,12 +1,13 @@
-"""A Markdown table of recorded runs (τ, acceptance, lossless audit, speedup) read from the
-record files, so figures quoted anywhere come from kept records.
+"""A Markdown table of recorded runs (τ, acceptance, lossless audit, speedup), the report's
+own selection and numbers (bench.report.tables), so figures quoted anywhere come from kept records.
 
-    python -m bench.summary --target smollm2-135m --tag audit
-    python -m bench.summary --tag grid --readme grid   # also rewrite results/README.md's `grid` block
+    python -m bench.report.summary --target smollm2-135m --tag audit
+    python -m bench.report.summary --tag grid --readme grid   # also rewrite results/README.md's `grid` block
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -14,72 +15,46 @@ import click
 from bench import metrics
 from bench.cli_errors import OneLineCommand
 from bench.core.errors import BenchError
-from bench.records import BASELINE, Problem, pairing_difference, parse_tag, pool_repeats, read_run, record_files
-from bench.tables import RESULTS_README, contended_turns, update_readme
+from bench.records import BASELINE
+from bench.report.tables import RESULTS_README, contended_turns, load_records, summarize, update_readme
 
 
 def summary_rows(results_dir: Path, target: str, tag: str | None) -> list[dict]:
+    """A row per (task, method) of one series: the report's own selection (`Shelf.select`, the
+    newest revision, repeats pooled) and its own numbers (`summarize`), plus what this table
+    adds (verified per accepted, thread counts, contended turns). What the selection leaves
+    out is printed as a warning, as `bench report` lists it."""
+    try:
+        records = load_records(results_dir, targets=(target,), tags=(tag or "",))
+    except BenchError:
+        return []
+    for problem in records.problems:
+        if problem.kind not in ("superseded", "missing"):
+            click.echo(f"warning: {problem.kind}: {problem.where}: {problem.detail}", err=True)
+    frame = summarize(records, "task")
     rows = []
-    if not (results_dir / target).is_dir():
-        return rows
-    for task_dir in sorted((results_dir / target).iterdir()):
-        if not task_dir.is_dir() or task_dir.name == "peers":
+    for row in frame.to_dict("records") if not frame.empty else []:
+        if row["method"] == BASELINE:
             continue
-        files = series_files(task_dir, tag)
-        for method, revisions in sorted(files.items()):
-            if method == BASELINE:
-                continue
-            newest = max(revisions)  # a method's newest revision, against the baseline of that revision
-            runs, base_runs = _runs(revisions[newest]), _runs(files.get(BASELINE, {}).get(newest, []))
-            turns, base = _pooled(runs), _pooled(base_runs)
-            if not turns:  # every file left out: the warnings say why
-                continue
-            why = pairing_difference(runs[0].settings, base_runs[0].settings) if base_runs else None
-            if why:  # never a speedup or an exact match against a baseline of other settings
-                click.echo(f"warning: unpaired: {runs[0].path}: recorded with {why}; no speedup", err=True)
-                base = []
-            row = metrics.summarize(turns, base)
-            sized = metrics.known(turns, "accept_lengths", "tree_sizes")  # imported turns may lack them
-            rounds = sum(len(t["accept_lengths"]) for t in sized)
-            rows.append({"task": task_dir.name, "method": method, **row,
-                         "nodes_per_round": sum(sum(t["tree_sizes"]) for t in sized) / rounds if rounds else 0.0,
-                         "verified_per_accepted": nodes_per_accepted(turns),
-                         "threads": "/".join(map(str, sorted({t["_threads"] for t in turns if t.get("_threads")}))),
-                         "contended": _contended(turns) + _contended(base)})
+        # a frame cell is NaN where a row has no such value (no baseline: no interval, no passes)
+        row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))
+               or k not in ("speedup_ci", "speedup_repeats")}
+        runs = [r for r in records.runs if (r.task, r.method) == (row["task"], row["method"])]
+        turns = [t for run in runs for t in run.pooled]
+        base = [t for run in records.runs if (run.task, run.method) == (row["task"], BASELINE) for t in run.pooled]
+        if math.isnan(row.get("base_tokens_per_s", math.nan)):  # not paired: its contended turns say nothing
+            base = []
+        rows.append({**row, "nodes_per_round": 0.0 if math.isnan(row["tree_size"]) else row["tree_size"],
+                     "verified_per_accepted": nodes_per_accepted(turns),
+                     "threads": "/".join(map(str, sorted({t["_threads"] for t in turns if t.get("_threads")}))),
+                     "contended": _contended(turns) + _contended(base)})
     return rows
 
 
-def series_files(task_dir: Path, tag: str | None) -> dict[str, dict[int, list[tuple[int, Path]]]]:
-    """{method: {revision: [(repeat, record file)]}} of one series in a task folder: its
-    revisions (`grid.r2`, bench.grid) and their repeats."""
-    found: dict[str, dict[int, list[tuple[int, Path]]]] = {}
-    for path in record_files(task_dir):
-        method, _, file_tag = path.stem.partition("-")
-        series, revision, repeat = parse_tag(file_tag)
-        if series == (tag or ""):
-            found.setdefault(method, {}).setdefault(revision, []).append((repeat, path))
-    return found
-
-
 def _contended(turns: list[dict]) -> int:
-    """Turns that shared the CPU, each pass judged on its own (bench.tables.contended_turns)."""
+    """Turns that shared the CPU, each pass judged on its own (bench.report.tables.contended_turns)."""
     return sum(len(contended_turns([t for t in turns if t["repeat"] == repeat]))
                for repeat in {t["repeat"] for t in turns})
-
-
-def _runs(files: list[tuple[int, Path]]) -> list:
-    """The runs of a series' files (bench.records' rule), its repeats kept when recorded with
-    the same settings; what is left out is shown, not fatal: `bench report` lists it too."""
-    problems: list[Problem] = []
-    runs = [run for _, path in files if (run := read_run(path, problems)) is not None]
-    runs, mixed = pool_repeats(runs)
-    for problem in problems + mixed:
-        click.echo(f"warning: {problem.kind}: {problem.where}: {problem.detail}", err=True)
-    return runs
-
-
-def _pooled(runs: list) -> list[dict]:
-    return [turn for run in runs for turn in run.pooled]
 
 
 def nodes_per_accepted(turns: list[dict]) -> float:
