@@ -284,7 +284,8 @@ def test_cli_train_stopped_by_stop_after_exits_3_and_the_same_command_finishes(t
     (so `bench train ... && bench ship` does not ship it); the same command resumes to the end."""
     from click.testing import CliRunner
 
-    from bench.cli import STOPPED_EXIT, main
+    from bench.cli import main
+    from bench.cli.train import STOPPED_EXIT
 
     out = tmp_path / "drafter"
     command = ["train", "--method", "sps", "--target", str(tiny_target.path), "--out", str(out), "--max-steps", "3",

@@ -1,6 +1,6 @@
 """A training process's memory, bounded without giving up jemalloc's page reuse.
 
-`bench train` runs under jemalloc with purging off (bench/cli.py): a step's large
+`bench train` runs under jemalloc with purging off (bench/cli/train.py): a step's large
 temporaries reuse the pages the last step freed instead of faulting fresh zeroed pages in.
 With purging on (any finite `dirty_decay_ms`) a step spends as much time in the kernel's
 page faults as in its matmuls (measured on the at-scale trainers, results/README.md). But

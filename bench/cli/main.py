@@ -1,0 +1,19 @@
+"""The `bench` group: every command, from its group's module."""
+
+from __future__ import annotations
+
+import click
+
+from bench.cli import machine, records, report, run, train
+from bench.cli_errors import OneLineGroup
+
+
+@click.group(cls=OneLineGroup)
+def main() -> None:
+    """Speculative decoding benchmark harness."""
+
+
+for command in (run.run, train.train, train.features, train.distill, machine.profile, machine.tune, report.report,
+                train.ship, records.export, train.ablate, records.check_cmd, records.pack_cmd, records.import_cmd,
+                run.list_cmd):
+    main.add_command(command)
