@@ -88,6 +88,9 @@ STUDIES: dict[str, Study] = {
             "block-2": Arm("dflash", {"labels": "target", "block_size": "2"},
                            "soft labels, one draft per block: the first draft alone, without the far slots' share "
                            "of the loss (EAGLE-1's task in DFlash's architecture)", default=False),
+            "decay-2": Arm("dflash", {"labels": "target", "decay": "2"},
+                           "soft labels, the slots' loss weights exp(-k/2) instead of z-lab's exp(-k/7) for a block "
+                           "of 16: the first drafts carry the loss, as block-2's single slot does", default=False),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
                                         "labels": "target"}, "tap norm, init fixes and soft labels together",
                              default=False),
