@@ -26,6 +26,8 @@ class MethodInfo:
     compiles: bool = False  # `bench train --compile` runs its trainer's hot functions through torch.compile
     # "module:Class", the dataclass of its `bench train --option`s: checked before the target loads
     train_options: str | None = None
+    # "module:Class", its round replay (`bench rounds`, bench/rounds.py): built from the shipped drafter
+    replay: str | None = None
 
 
 METHODS: dict[str, MethodInfo] = {m.name: m for m in [
@@ -35,21 +37,26 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("suffix", "methods.suffix", "SuffixDecoding: suffix trees over the request and earlier replies"),
     MethodInfo("lookahead", "methods.lookahead", "Lookahead decoding: Jacobi window + n-gram pool (N=5, W=7, G=7)"),
     MethodInfo("sps", "methods.sps", "speculative sampling with a distilled draft LM (bench train --method sps)",
-               trained=True, train_options="bench.core.training.draft_lm:DraftLMSettings"),
+               trained=True, train_options="bench.core.training.draft_lm:DraftLMSettings",
+               replay="methods.sps.rounds:Replay"),
     MethodInfo("specinfer", "methods.specinfer", "SpecInfer token trees from the SpS draft model (top-k or sampled)",
                trained=True),
     MethodInfo("medusa", "methods.medusa", "Medusa-1: K=5 residual heads on the last hidden state, static tree",
-               trained=True, train_options="methods.medusa.training:MedusaTraining"),
+               trained=True, train_options="methods.medusa.training:MedusaTraining",
+               replay="methods.medusa.rounds:Replay"),
     MethodInfo("mtp", "methods.mtp", "multi-token prediction: DeepSeek-V3 sequential module (or parallel heads)",
-               trained=True, train_options="methods.mtp.training:MtpSettings"),
+               trained=True, train_options="methods.mtp.training:MtpSettings",
+               replay="methods.mtp.rounds:Replay"),
     MethodInfo("eagle", "methods.eagle", "EAGLE-1: feature-level AR head, static tree", trained=True,
-               train_options="methods.eagle.training:EagleTrainSettings"),
+               train_options="methods.eagle.training:EagleTrainSettings", replay="methods.eagle.rounds:Eagle1Replay"),
     MethodInfo("eagle2", "methods.eagle2", "EAGLE-2: the EAGLE-1 head with a dynamic draft tree", trained=True,
                train_options="methods.eagle.training:EagleTrainSettings"),
     MethodInfo("eagle3", "methods.eagle3", "EAGLE-3: fused low/mid/high features, training-time test, dynamic tree",
-               trained=True, train_options="methods.eagle.training:EagleTrainSettings", compiles=True),
+               trained=True, train_options="methods.eagle.training:EagleTrainSettings", compiles=True,
+               replay="methods.eagle.rounds:Replay"),
     MethodInfo("dflash", "methods.dflash", "DFlash: block-diffusion drafter on fused target features, b-token chain",
-               trained=True, train_options="methods.dflash.training:BlockTrainSettings", compiles=True),
+               trained=True, train_options="methods.dflash.training:BlockTrainSettings", compiles=True,
+               replay="methods.dflash.replay:Replay"),
     MethodInfo("ddtree", "methods.ddtree", "DDTree: best-first tree from one DFlash pass under a node budget",
                trained=True),
     MethodInfo("dspark", "methods.dspark", "DSpark: DFlash backbone + Markov and confidence heads, scheduled verify",

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from bench.core.errors import BenchError
-from scripts.mtp_rounds import write_record
+from bench.rounds import write_record
 
 
 def log_windows(rows: list[dict], keys: list[str], every: int) -> dict[int, dict[str, float]]:

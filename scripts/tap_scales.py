@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import click
 
-from scripts.mtp_rounds import write_record
+from bench.rounds import write_record
 
 
 @click.command()

@@ -200,3 +200,13 @@ def test_bench_check_names_each_damaged_file_and_fails(tmp_path):
     assert f"{pld}: inconsistent" in found.stdout and f"{ar}: foreign" in found.stdout
     assert f"{gsm}: unpaired" in found.stdout and "3 record file(s) with findings" in found.stdout
     assert_bad_input(invoke("check", str(tmp_path / "nowhere")), "results folder not found")
+
+
+def test_rounds_names_the_methods_it_can_replay(no_target_load):
+    """`bench rounds` for a method without a replay hook, or a trained method's held-out-only
+    replay asked for grid turns: one line each, before the target loads."""
+    result = CliRunner().invoke(main, ["rounds", "--method", "pld"])
+    assert result.exit_code == 2 and "pld has no round replay" in result.output
+    assert "dflash" in result.output and "sps" in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["rounds", "--method", "eagle3", "--task", "humaneval"])
+    assert result.exit_code == 2 and "held-out conversations only" in result.output

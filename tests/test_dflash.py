@@ -427,13 +427,13 @@ def test_no_more_blocks_than_the_row_with_most_reply_positions(default_target):
 @pytest.mark.slow  # the slow tier (make test-slow)
 @pytest.mark.parametrize("anchor_context", [False, True])
 def test_block_rounds_replay_the_loops_drafts(default_target, one_thread, monkeypatch, anchor_context):
-    """methods/dflash/rounds (bench train's held-out τ, scripts/block_rounds): every round's
+    """methods/dflash/rounds (bench train's held-out τ, bench rounds): every round's
     drafts come back from one target pass over the finished turn (each block sees the features
     strictly before its root), so the replayed rounds are the loop's; also where every slot's
     input adds the context row before the root (`anchor_context`)."""
+    from bench.rounds import recorded_rounds
     from methods.dflash import Options, load_model
     from methods.dflash.rounds import chain_drafts, sequence_rounds
-    from scripts.mtp_rounds import recorded_rounds
 
     target = default_target
     prompt = prompt_of(target)

@@ -265,10 +265,10 @@ def test_sampled_sps_follows_the_target_distribution(tiny_target, one_thread):
 
 @pytest.mark.parametrize("gamma,noise", [(3, 0.1), (4, 0.3), (2, 0.0)])
 def test_sps_rounds_replay_the_loop_from_one_teacher_forced_pass(tiny_target, gamma, noise):
-    """scripts/sps_rounds: a greedy chain's rounds follow from the draft's top-1 after each
+    """methods/sps/rounds (bench rounds --method sps): a greedy chain's rounds follow from the draft's top-1 after each
     token of the finished turn (accepted drafts are the target's tokens)."""
-    from scripts.mtp_rounds import recorded_rounds
-    from scripts.sps_rounds import sequence_rounds, turn_rows
+    from bench.rounds import recorded_rounds
+    from methods.sps.rounds import sequence_rounds, turn_rows
 
     draft = noisy_draft(tiny_target, noise)
     for prompt in PROMPTS:

@@ -13,7 +13,7 @@ def main() -> None:
     """Speculative decoding benchmark harness."""
 
 
-for command in (run.run, train.train, train.features, train.distill, machine.profile, machine.tune, report.report,
-                train.ship, records.export, train.ablate, records.check_cmd, records.pack_cmd, records.import_cmd,
-                run.list_cmd):
+for command in (run.run, run.list_cmd, train.train, train.features, train.distill, train.ablate, train.ship,
+                train.rounds, machine.profile, machine.tune, report.report, records.export, records.check_cmd,
+                records.pack_cmd, records.import_cmd):
     main.add_command(command)

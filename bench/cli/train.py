@@ -1,4 +1,4 @@
-"""`bench train`, `bench features`, `bench distill`, `bench ablate`, `bench ship`: drafters and their data."""
+"""`bench train`, `features`, `distill`, `ablate`, `ship`, `rounds`: drafters, their data and their replays."""
 
 from __future__ import annotations
 
@@ -370,3 +370,33 @@ def ship(method, drafter, target, dtype) -> None:
     if total > SHIPPED_BUDGET_BYTES:
         raise BenchError(f"the shipped drafters total {total / 1e6:.1f} MB, over the "
                          f"{SHIPPED_BUDGET_BYTES / 1e6:.0f} MB budget")
+
+
+@click.command()
+@click.option("--method", required=True, help="the method whose shipped drafter is replayed (bench/rounds.py)")
+@click.option("--tag", default="grid", show_default=True, help="the series whose records are replayed")
+@click.option("--task", "tasks", multiple=True, help="replay this task's recorded turns too (repeatable)")
+@click.option("--heldout", "conversations", type=click.IntRange(min=0), default=200, show_default=True,
+              help="held-out conversations replayed (0: none; they need the drafter's feature cache)")
+@click.option("--reply-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="also the held-out replies cut to their first N tokens, as the grid's turns are")
+@click.option("--results-dir", default="results", show_default=True)
+@click.option("--out", default=None, help="where the record goes (default <results-dir>/<target>/rounds)")
+def rounds(method, tag, tasks, conversations, reply_tokens, results_dir, out) -> None:
+    """Replay a shipped drafter's greedy decode rounds from teacher-forced passes, on the grid's
+    recorded turns (beside the rounds the loop recorded) and on its held-out conversations."""
+    from pathlib import Path
+
+    import torch
+
+    from bench.core.target import DEFAULT_TARGET
+    from bench.rounds import replay_hook, replay_rounds, write_record
+
+    hook = replay_hook(method)  # an unknown method or one without a replay: one line, before the target loads
+    if tasks and not hasattr(hook, "turn"):
+        raise BenchError(f"{method}'s replay covers its held-out conversations only (its grid drafts trees): "
+                         "leave out --task")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = replay_rounds(method, tag, tasks, conversations, reply_tokens, Path(results_dir), echo=click.echo)
+    folder = Path(out) if out else Path(results_dir) / DEFAULT_TARGET / "rounds"
+    click.echo(f"-> {write_record(folder, f'{method}-{tag}' if tasks else f'{method}-heldout', result)}")

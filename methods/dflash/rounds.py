@@ -1,6 +1,6 @@
 """Greedy decode rounds of a block drafter replayed from one target pass over a finished
 sequence: what `bench train` reports as the τ a DFlash or DSpark drafter predicts, and what
-scripts/block_rounds.py sets beside the grid's recorded rounds.
+`bench rounds --method dflash` sets beside the grid's recorded rounds (its hook: methods/dflash/replay.py).
 
 A greedy round verifying a whole block is a function of the committed tokens alone: the block
 [root, MASK ...] sees the target's features strictly before the root, and every draft the
@@ -140,3 +140,4 @@ def heldout_rounds(model, embed: Tensor, lm_head: Tensor, tensors: dict[str, Ten
     return by_cut({cut: dict(rounds_prediction(rounds, accepted, first),
                              first_draft_top1=round(hits / max(1, count), 4), roots=count)
                    for cut, (rounds, accepted, first, hits, count) in totals.items()})
+

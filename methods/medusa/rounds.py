@@ -92,3 +92,66 @@ def heldout_rounds(heads, lm_head: Tensor, features: dict[str, Tensor], spans: l
     return by_cut({cut: dict(rounds_prediction(rounds, accepted, first), head0_top1=round(hits / max(1, count), 4),
                              rows=count, tree_size=len(paths))
                    for cut, (rounds, accepted, first, hits, count) in totals.items()})
+
+
+def recorded_tree(header: dict, accuracy, stored_tree) -> list[tuple[int, ...]]:
+    """The tree a record's decoder built: sized for its device or given by a count (the
+    best-first cut of the measured accuracies), or the drafter's stored tree."""
+    from bench.core.errors import BenchError
+    from methods.medusa.tree import build_tree
+
+    size, source = header["tree_size"], header.get("tree_source", "")
+    if source == "manifest":
+        return [tuple(p) for p in stored_tree]
+    if not accuracy:
+        raise BenchError(f"the drafter has no measured accuracies to rebuild a '{source}' tree from")
+    return build_tree(accuracy, max(64, size))[:size]
+
+
+class Replay:
+    """`bench rounds --method medusa`: greedy rounds of the decoder's tree simulated from
+    teacher-forced drafts on recorded grid turns and on the pool's last conversations."""
+
+    what = ("Medusa: greedy rounds of the decoder's tree simulated from teacher-forced drafts on held-out replies "
+            "and on the grid's turns, beside the rounds the loop recorded for those turns")
+
+    def __init__(self, target) -> None:
+        from bench.core.drafters import find_drafter, weights_sha1
+        from methods.medusa.model import load_drafter
+
+        self.target = target
+        folder = find_drafter(target.name, "medusa", None)
+        self.heads, self.accuracy, self.stored_tree, info = load_drafter(target, folder)
+        self.heads.eval()
+        self.lm_head = target.engine.lm_head.float()
+        self.tap = target.engine.num_layers
+        self.info = {"drafter": str(folder), "weights_sha1": weights_sha1(folder),
+                     "trained_steps": info.get("trained_steps")}
+        self.paths: list[tuple[int, ...]] = [(0,)]
+
+    def check(self, settings: dict) -> str | None:
+        self.paths = recorded_tree(settings["drafter"], self.accuracy, self.stored_tree)
+        ran = settings["drafter"].get("weights_sha1")
+        return None if ran in (None, self.info["weights_sha1"]) else f"weights {ran}"
+
+    def turn(self, settings: dict, prompt: list[int], record: dict) -> tuple[int, int, int]:
+        tokens = torch.tensor(prompt + record["tokens"])
+        hidden = self.target.engine.prefill(tokens, taps=(self.tap,), logits_rows="none").hidden[self.tap]
+        mask = torch.zeros(len(tokens), dtype=torch.bool)
+        mask[len(prompt) - 1: len(tokens) - 1] = True  # the prefill's row drafts the second reply token
+        return sequence_rounds(self.heads, self.lm_head, hidden, tokens, mask, self.paths)
+
+    def heldout(self, conversations: int, reply_tokens: int) -> dict:
+        from bench.core.training.features import FeatureData, ensure_features
+
+        store = ensure_features(self.target, (self.tap,), FeatureData(max_tokens=5_000_000, self_distill=True),
+                                progress=False)
+        data = store.load((self.tap,))
+        features = {"tokens": data["tokens"], "loss_mask": data["loss_mask"], "h": data[f"h{self.tap}"]}
+        offsets = data["offsets"].tolist()[-1 - conversations:]
+        spans = list(zip(offsets[:-1], offsets[1:]))
+        trees = {"one_node": [(0,)], "grid": self.paths} if len(self.paths) > 1 else {"one_node": [(0,)]}
+        found = {tree: heldout_rounds(self.heads, self.lm_head, features, spans, paths, keep=reply_tokens)
+                 for tree, paths in trees.items()}
+        return dict(found.get("grid", found["one_node"]), trees=found, conversations=len(spans),
+                    features=str(store.folder))

@@ -50,7 +50,7 @@ def config_from_dict(values: dict):
 def init_layers(target_layers: int, num_layers: int) -> list[int]:
     """Default target layers to copy: the first ones. Measured on SmolLM2-135M (2 of 30
     layers): [0, 1] starts at KL ~4 to the target, [0, 29] at KL ~60 (the last layer and
-    final norm expect a late residual stream); see the sps notes in methods/sps.py."""
+    final norm expect a late residual stream); see the sps notes in methods/sps/__init__.py."""
     return list(range(min(num_layers, target_layers)))
 
 
