@@ -180,6 +180,10 @@ def test_newest_revision_wins_and_older_ones_are_listed(tmp_path):
     records = load_records(tmp_path, tags=("grid",))
     assert row(summarize(records, "task"), task="mtbench", method="pld")["speedup"] == pytest.approx(2.0)
     assert not [p for p in records.problems if p.kind == "no baseline"]
+    # ...and that baseline, still in use, is not listed as a leftover revision
+    assert "ar-grid.jsonl" not in [p.where.rsplit("/", 1)[-1] for p in records.problems
+                                   if p.kind == "superseded" and "mtbench" in p.where]
+    assert [r.path.name for r in records.superseded if r.task == "mtbench"] == ["ar-grid.jsonl"]
 
 
 def test_earlier_revisions_are_shown_beside_the_newest(tmp_path):

@@ -154,6 +154,9 @@ class Shelf:
                                                                ("method", methods), ("tag", tags)) if v)
             raise BenchError(f"no run records under {self.results_dir}" + (f" for {where}" if where else ""))
         records = Records(runs, problems, profiles, manifests, superseded, tunings)
+        # an older revision that a kept run was interleaved with is its baseline, not a leftover
+        bases = {str(base.path) for run in runs if (base := _base_for(records, run)) in superseded}
+        records.problems = [p for p in problems if not (p.kind == "superseded" and p.where in bases)]
         _check_coverage(records)
         _check_pairing(records)
         _check_contention(records)
