@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables paper-regime context-sweep grid-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
+.PHONY: setup demo test test-slow lint peers gpu-check report all-results paper-tables paper-regime context-sweep grid-reports series-reports pack-records refresh series-refresh machine-series frspec paper-draft mtp-parallel block-sweep budget-sweep oracle-sweep load-sweep train-at-scale scaling-runs clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -58,13 +58,13 @@ all-results: $(STAMP)
 	$(BIN)/bench tune
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --budget auto   # tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.grid $(if $(filter 1,$(FULL)),--full) --temperature 1   # the sampled series, tag $(GRID_TAG)-t1
-	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
 	$(MAKE) load-sweep
 	$(MAKE) paper-draft
 	$(MAKE) paper-tables
 	$(MAKE) paper-regime
 	$(MAKE) mtp-parallel
 	$(MAKE) grid-reports
+	$(MAKE) series-reports
 	$(MAKE) frspec
 	$(MAKE) pack-records
 
@@ -94,6 +94,16 @@ grid-reports: $(STAMP)
 	$(BIN)/bench report --tag $(GRID_TAG) --out plots --readme $(foreach b,$(LOAD_BATCHES),--load-tag load$(b)) \
 	  --tuned-tag $(GRID_TAG)-auto
 	$(BIN)/python -m bench.report.summary --tag $(GRID_TAG) --readme grid --readme-path results/README.md
+
+# Every page under plots/ besides the grid's, from the kept records alone (nothing decodes): the
+# sampled grid, the load sweep, the block sweep, each machine series in MACHINE_SERIES, the scaling runs.
+MACHINE_SERIES ?= amx
+series-reports: $(STAMP)
+	$(BIN)/bench report --tag $(GRID_TAG)-t1 --out plots/sampled
+	$(BIN)/bench report --task mtbench $(foreach b,$(LOAD_BATCHES),--tag load$(b)) --out plots/load
+	$(BIN)/bench report --tag b4 --tag b8 --tag b16 --task humaneval --task gsm8k --out plots/blocks
+	$(foreach s,$(MACHINE_SERIES),$(BIN)/bench report --tag grid-$(s) --out plots/$(s) --tuned-tag grid-$(s)-auto &&) true
+	$(BIN)/python -m scripts.scaling_runs --report-only $(foreach t,$(SCALE_COMPARE),--compare-tag $(t))
 
 # The grid on another machine kind, as its own series (`make machine-series SERIES=amx` on an AMX Xeon):
 # every method at its defaults (tag grid-SERIES), `bench tune` of SERIES_TUNE on this machine, those
@@ -202,6 +212,7 @@ block-sweep: $(STAMP)
 	$(BIN)/python -m scripts.dflash_calibration --task humaneval --limit 10 --max-new-tokens 128
 	$(BIN)/python -m bench.report.summary --tag b4 --tag b8 --tag b16 --tag sched --tag thr --tag t1 --task humaneval --task gsm8k \
 	  --readme blocks --readme-path results/README.md
+	$(BIN)/bench report --tag b4 --tag b8 --tag b16 --task humaneval --task gsm8k --out plots/blocks
 
 # tau and speedup against the draft budget (--budget K: draft tokens verified per round) for every
 # method that drafts, K in BUDGETS, on HumanEval (first BUDGET_LIMIT questions), then the report

@@ -966,3 +966,19 @@ def test_the_report_reads_the_shelf_once_and_imports_no_method(tmp_path):
     assert out[0] == "[]"
     assert out[1] == "2 2"
     assert float(out[2]) == 3.0
+
+
+def test_a_report_removes_its_own_tables_and_figures_an_earlier_report_wrote(tmp_path):
+    """An earlier report's table this one does not write (no revisions now) goes; what is not the
+    report's own (another report's folder beside it) stays."""
+    from bench.report.build import make_report
+
+    write_clean(tmp_path / "results", tag="grid")
+    out = tmp_path / "plots"
+    for stale in (out / "tables" / "revisions.csv", out / "figures" / "goals.png", out / "amx" / "report.html"):
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("from an earlier report")
+    make_report(tmp_path / "results", out)
+    assert not (out / "tables" / "revisions.csv").exists() and not (out / "figures" / "goals.png").exists()
+    assert (out / "amx" / "report.html").read_text() == "from an earlier report"
+    assert (out / "tables" / "overall.csv").exists()

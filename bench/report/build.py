@@ -378,9 +378,17 @@ def make_report(results_dir: Path, out: Path, targets: tuple[str, ...] = (), tas
         write_html(stage / "report.html", render(records, tables, figures, selection, tuned=tuned_view,
                                                  ablations=studies, claims=claims, papers=papers,
                                                  regime=regime))
-        for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+        fresh = sorted(p for p in stage.rglob("*") if p.is_file())
+        for path in fresh:
             (out / path.relative_to(stage)).parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, out / path.relative_to(stage))
+        # The report's own folders hold this report only: a table or figure an earlier report
+        # wrote and this one did not (no revisions, no tuned series now) goes.
+        kept = {out / p.relative_to(stage) for p in fresh}
+        for folder in (out / "tables", out / "figures"):
+            for path in folder.glob("*") if folder.is_dir() else []:
+                if path.is_file() and path not in kept:
+                    path.unlink()
     except OSError as exc:
         raise BenchError(f"cannot write the report to {out}: {exc.strerror or exc}") from None
     finally:
