@@ -91,6 +91,11 @@ STUDIES: dict[str, Study] = {
             "decay-2": Arm("dflash", {"labels": "target", "decay": "2"},
                            "soft labels, the slots' loss weights exp(-k/2) instead of z-lab's exp(-k/7) for a block "
                            "of 16: the first drafts carry the loss, as block-2's single slot does", default=False),
+            "decay-2-block-4": Arm("dflash", {"labels": "target", "decay": "2", "block_size": "4"},
+                                   "decay-2 at a block of 4 (3 drafts): τ against the block, one recipe",
+                                   default=False),
+            "decay-2-block-8": Arm("dflash", {"labels": "target", "decay": "2", "block_size": "8"},
+                                   "decay-2 at a block of 8 (7 drafts)", default=False),
             "all-fixes": Arm("dflash", {"tap_norm": "true", "norm_init": "ones", "learned_mask": "true",
                                         "labels": "target"}, "tap norm, init fixes and soft labels together",
                              default=False),
