@@ -40,7 +40,7 @@ def log_windows(rows: list[dict], keys: list[str], every: int) -> dict[int, dict
 @click.option("--out", default="results/smollm2-135m/ablation", show_default=True)
 def main(runs, name, what, every, keys, out) -> None:
     from bench.core.drafters import read_manifest
-    from bench.core.training.loop import read_log
+    from bench.training.loop import read_log
 
     try:
         found = {}

@@ -26,7 +26,7 @@ from bench.rounds import write_record
 def main(taps: str, rows: int, top: int, tokens: int, out: str) -> None:
     import methods  # noqa: F401  (the shipped distilled data the cache was extracted from)
     from bench.core.target import load_target, resolve_dtype
-    from bench.core.training.features import FeatureData, ensure_features
+    from bench.training.features import FeatureData, ensure_features
 
     target = load_target(None, "cpu", resolve_dtype("auto", "cpu"))
     wanted = tuple(int(t) for t in taps.split(","))

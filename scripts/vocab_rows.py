@@ -2,7 +2,7 @@
 
 Times, on fp32 logits [rows, vocab] at one thread, each reduction the Medusa and MTP
 losses need computed two ways that give the same numbers (the way they were written
-first, and bench.core.training.vocab_rows's), interleaved and repeated, and keeps the
+first, and bench.training.vocab_rows's), interleaved and repeated, and keeps the
 record with the largest difference between the two results:
 
     python -m scripts.vocab_rows [--rows 128] [--rounds 7] [--calls 5]
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
+from bench.training.vocab_rows import agrees, rowdot, softmax_lse
 
 
 def pairs(z: torch.Tensor, p: torch.Tensor) -> dict:
@@ -73,7 +73,7 @@ def main() -> None:
                          "first_over_vocab_rows": {"median": statistics.median(ratios), "min": min(ratios),
                                                    "max": max(ratios)},
                          "largest_difference": largest_difference(first(), fast())}
-    record = {"what": "row reductions of fp32 logits, one thread, the first way vs bench.core.training.vocab_rows",
+    record = {"what": "row reductions of fp32 logits, one thread, the first way vs bench.training.vocab_rows",
               "rows": args.rows, "vocab": args.vocab, "rounds": args.rounds, "calls_per_timing": args.calls,
               "times_s": times,
               "summary": summary, "provenance": provenance("cpu")}
