@@ -900,11 +900,3 @@ def test_medusa_rounds_accept_the_tree_path_of_the_data_ranks():
     assert (found["rounds"], found["tree_size"]) == (3, 1) and found["first_2"]["rows"] == 1
 
 
-def test_compare_runs_averages_each_logged_step_window():
-    """scripts/compare_runs: a log's fields averaged over (s - every, s], windows past the last
-    logged step left out, fields a log lacks left out."""
-    from scripts.compare_runs import log_windows
-
-    rows = [{"step": s, "acc0": s / 10, "loss": 1.0} for s in range(1, 11)]
-    windows = log_windows(rows, ["acc0", "loss", "acc7"], every=4)
-    assert windows == {4: {"acc0": 0.25, "loss": 1.0}, 8: {"acc0": 0.65, "loss": 1.0}}

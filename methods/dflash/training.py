@@ -77,7 +77,7 @@ class BlockTrainSettings:
     self_distill: bool = False
     # The loss over at most this many scored slots at a time, each chunk's logits recomputed in
     # the backward pass (0: all at once): the logits are [slots, vocab] in fp32 several times over,
-    # too much at the references' 512 anchors (scripts/block_memory.py measures both options).
+    # too much at the references' 512 anchors (a retired script measured both: results/ARCHIVE.md).
     loss_chunk_rows: int = 0
     # Keep only each draft layer's input for the backward pass (the rest recomputed there): the
     # attention scores of hundreds of blocks over the context are the bulk of the rest.
