@@ -292,7 +292,7 @@ TRAIN_ARGS ?=
 # scripts/gpu_scale.py sets SCALE_COMPILE empty: on a lent GPU the eager path is the one tested there.
 SCALE_COMPILE ?= --compile
 # EAGLE-3 with SpecForge's EAGLE-3.1 per-tap RMSNorm before fc (a named option, the shipped head): this
-# target's paper taps differ ~9x in scale (scripts/tap_scales.py; results/README "EAGLE-3 fc_norm").
+# target's paper taps differ ~9x in scale (results/README "EAGLE-3 fc_norm").
 # eagle3-paperfc is the paper's un-normed fc, the ablation's other arm.
 EAGLE3_ARGS := --option ttt_steps=7 --option draft_vocab_coverage=0.99 --option shared_lm_head=true --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
 # The eagle3 entry: the fc_norm head on more of the pool, conversations cut at 1024 tokens

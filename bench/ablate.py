@@ -161,7 +161,7 @@ def run_arms(study_name: str, names: list[str], steps: int, out: Path, jobs: int
 
 
 def _first_steps(folder: Path, count: int = 10) -> dict:
-    from bench.core.training.loop import read_log
+    from bench.training.loop import read_log
 
     rows = read_log(folder)[:count]
     keys = [k for k in ("loss", "grad_norm") if rows and k in rows[0]]

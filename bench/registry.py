@@ -37,7 +37,7 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("suffix", "methods.suffix", "SuffixDecoding: suffix trees over the request and earlier replies"),
     MethodInfo("lookahead", "methods.lookahead", "Lookahead decoding: Jacobi window + n-gram pool (N=5, W=7, G=7)"),
     MethodInfo("sps", "methods.sps", "speculative sampling with a distilled draft LM (bench train --method sps)",
-               trained=True, train_options="bench.core.training.draft_lm:DraftLMSettings",
+               trained=True, train_options="bench.training.draft_lm:DraftLMSettings",
                replay="methods.sps.rounds:Replay"),
     MethodInfo("specinfer", "methods.specinfer", "SpecInfer token trees from the SpS draft model (top-k or sampled)",
                trained=True),

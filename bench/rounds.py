@@ -1,6 +1,6 @@
 """`bench rounds --method M`: where a drafter's held-out prediction and its measured τ part.
 
-Greedy decode rounds are replayed from teacher-forced passes (bench.core.training.simulated_rounds)
+Greedy decode rounds are replayed from teacher-forced passes (bench.training.simulated_rounds)
 by the method's replay hook (registry: MethodInfo.replay), on the grid's own recorded turns beside
 the rounds the decode loop recorded for them, and on the drafter's held-out conversations (whole
 replies, and cut to their first tokens as the grid's turns are). On a recorded turn the replay
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.core.errors import BenchError
-from bench.core.training import rounds_prediction
+from bench.training import rounds_prediction
 
 
 def recorded_rounds(record: dict) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ drafter's rounds cost more where launches or Python overhead dominate. EAGLE's r
 gains; this times whole rounds, drafting included, for every method.
 
 How: the prompts are the first user turns of the ShareGPT conversations that
-self-distillation holds back (bench.core.training.distill.tuning_prompts): never trained
+self-distillation holds back (bench.training.distill.tuning_prompts): never trained
 on, never an evaluation question. Per prompt: AR, then the method at every candidate budget
 and at its own defaults, greedy, interleaved (each decoder warmed up first). The candidate
 with the best speedup (AR's seconds per token over its own, pooled over the prompts) wins;

@@ -7,7 +7,7 @@ round) for bench.core.decode's one loop; the harness finds it through bench.regi
 from pathlib import Path
 
 from bench.core.drafters import add_shipped_root
-from bench.core.training import distill
+from bench.training import distill
 
 add_shipped_root(Path(__file__).parent / "checkpoints")  # the drafters shipped for the default target
 distill.add_shipped_root(Path(__file__).parent / "distilled")  # their self-distilled training data

@@ -39,8 +39,8 @@ def prepare(dest: Path) -> None:
     import importlib.util
 
     from bench.core.target import _gguf_location
-    from bench.core.training.data import read_sharegpt
-    from bench.core.training.distill import DistillSettings, OverlapFilter, usable_conversations
+    from bench.training.data import read_sharegpt
+    from bench.training.distill import DistillSettings, OverlapFilter, usable_conversations
 
     dest.mkdir(parents=True, exist_ok=True)
     gguf = _gguf_location()
@@ -104,7 +104,7 @@ def run(dest: Path, shards: range, out: Path, batch_size: int, device: str, max_
     sys.path.insert(0, str(dest / "pylib"))
     os.environ.setdefault("BENCH_CACHE", "/tmp/bench-cache")
     from bench.core.target import load_target
-    from bench.core.training.distill import DistillSettings, distill
+    from bench.training.distill import DistillSettings, distill
 
     target = load_target(None, device="cpu")
     settings = DistillSettings(max_reply=max_reply, data_path=str(dest / "sharegpt_users.json"))
@@ -120,7 +120,7 @@ def run(dest: Path, shards: range, out: Path, batch_size: int, device: str, max_
 def merge(source: Path, root: Path | None = None) -> None:
     from bench.core.files import write_json
     from bench.core.target import load_target
-    from bench.core.training.distill import DistillSettings, distill_dir
+    from bench.training.distill import DistillSettings, distill_dir
 
     theirs = json.loads((source / "index.json").read_text())
     target = load_target(None, device="cpu")

@@ -35,7 +35,7 @@ ALSO_DECODE = {"dflash": ("ddtree",)}  # methods that decode with another method
 def prepare(dest: Path, conversations: int = 200) -> None:
     """Tokenizer/config files of the default target and a ShareGPT subset (no weights)."""
     from bench.core.target import load_target
-    from bench.core.training.data import read_sharegpt
+    from bench.training.data import read_sharegpt
 
     target = load_target(device="cpu")
     dest.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def check_method(method: str, target, assets: Path, work: Path, steps: int, devi
     from bench.core.decode import DecodeConfig, Drafter, decode
     from bench.core.sampling import SamplingConfig
     from bench.core.target import chat_prompt
-    from bench.core.training import TrainSettings
+    from bench.training import TrainSettings
 
     settings = TrainSettings(out_dir=work / method, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
                              device=device, progress=False, checkpoint_every_s=1e9,

@@ -34,7 +34,7 @@ def hf_draft_model(target, folder: Path):
     from transformers import AutoModelForCausalLM
 
     from bench.core.drafters import MANIFEST, read_manifest
-    from bench.core.training.draft_lm import config_from_dict
+    from bench.training.draft_lm import config_from_dict
 
     if not (Path(folder) / MANIFEST).exists():  # a plain HF folder
         return AutoModelForCausalLM.from_pretrained(folder, dtype=target.engine.dtype).eval()

@@ -29,7 +29,7 @@ RUN_FIELDS = ("max_steps", "batch_size", "lr", "warmup_steps", "seed", "settings
 
 def training_run(manifest: dict) -> str:
     """8 hex digits naming the training run a drafter (a kept copy or the final one) comes from."""
-    from bench.core.training import without_later_defaults
+    from bench.training import without_later_defaults
 
     training = manifest.get("training", {})
     identity = {"method": manifest.get("method"), **{k: training.get(k) for k in RUN_FIELDS}}

@@ -75,7 +75,7 @@ def offline(monkeypatch, tmp_path) -> list[str]:
 def no_shipped_distilled_data(monkeypatch):
     """Tests make their own distilled data: the project's (methods/distilled/, growing while a
     distillation runs) would otherwise be found by the trainers and the feature extraction."""
-    from bench.core.training import distill
+    from bench.training import distill
 
     monkeypatch.setattr(distill, "SHIPPED_ROOTS", [])
 

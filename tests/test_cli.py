@@ -138,8 +138,8 @@ def test_real_exit_code_and_one_line(tmp_path):
 
 @pytest.mark.parametrize("given,expected", [(None, "ACTIVE"), ("PASSIVE", "PASSIVE")])
 def test_the_harness_keeps_openmp_workers_spinning_unless_told_otherwise(given, expected):
-    """bench/__init__ sets OMP_WAIT_POLICY=ACTIVE before torch loads libgomp (scripts/omp_wait.py
-    measures why); a policy the user set is kept."""
+    """bench/__init__ sets OMP_WAIT_POLICY=ACTIVE before torch loads libgomp (an A/B record under
+    results/<target>/profile/ measures why); a policy the user set is kept."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

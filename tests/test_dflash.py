@@ -229,7 +229,7 @@ def test_heldout_teacher_tokens_are_kept_and_used_only_for_the_same_rows(default
 @pytest.fixture
 def tiny_training(default_target, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
-    from bench.core.training import TrainSettings
+    from bench.training import TrainSettings
 
     def make(steps, out, **options):
         return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,

@@ -1,4 +1,4 @@
-"""Self-distilled training data (bench.core.training.distill): the overlap filter, the
+"""Self-distilled training data (bench.training.distill): the overlap filter, the
 target's own greedy replies turn by turn, reply spans, shards and resume."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.core.training import distill as distill_module
-from bench.core.training.distill import DistillSettings, OverlapFilter, distill, usable_conversations
+from bench.training import distill as distill_module
+from bench.training.distill import DistillSettings, OverlapFilter, distill, usable_conversations
 
 GSM8K_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                   "How many clips did Natalia sell altogether in April and May?")
@@ -110,9 +110,9 @@ def test_distill_stops_once_enough_reply_tokens_exist(tiny_distill, default_targ
 def test_sps_draft_lm_trains_on_the_distilled_replies(tiny_distill, default_target, tmp_path, one_thread):
     """`bench train --method sps --option self_distill=true`: the draft LM's examples are the
     distilled conversations, with exactly the target's own reply tokens as targets."""
-    from bench.core.training import TrainSettings
-    from bench.core.training.distill import DistilledExamples, reply_example
-    from bench.core.training.draft_lm import train_draft_lm
+    from bench.training import TrainSettings
+    from bench.training.distill import DistilledExamples, reply_example
+    from bench.training.draft_lm import train_draft_lm
 
     data = distill(default_target, tiny_distill, EVAL, progress=False)
     examples = DistilledExamples(data.folder, max_len=512)
@@ -180,7 +180,7 @@ def test_data_under_another_root_is_found_by_the_trainers_and_older_plain_shards
     import gzip
     from dataclasses import replace
 
-    from bench.core.training.features import FeatureData, with_distilled_folder
+    from bench.training.features import FeatureData, with_distilled_folder
 
     root = tmp_path / "shipped"
     data = distill(default_target, tiny_distill, EVAL, batch_size=4, progress=False, root=root)

@@ -103,7 +103,7 @@ def test_shifted():
 @pytest.fixture
 def tiny_training(default_target, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
-    from bench.core.training import TrainSettings
+    from bench.training import TrainSettings
 
     def make(kind, steps, out):
         return TrainSettings(out_dir=tmp_path / out, max_steps=steps, batch_size=2, lr=1e-3, warmup_steps=1,
@@ -311,7 +311,7 @@ def test_fr_spec_drafts_only_frequent_tokens_and_stays_lossless(default_target, 
     import gzip
 
     from bench import registry
-    from bench.core.training import distill
+    from bench.training import distill
     from methods.eagle.fr_spec import frequent_tokens
 
     target = default_target

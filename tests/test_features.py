@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bench.core.errors import BenchError
-from bench.core.training import features as features_module
-from bench.core.training.features import FeatureData, FeatureStore, describe_cache, ensure_features, features_dir
+from bench.training import features as features_module
+from bench.training.features import FeatureData, FeatureStore, describe_cache, ensure_features, features_dir
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_self_distilled_features_read_the_distilled_replies(default_target, cach
     """Features of `bench distill` data: reply tokens (every turn) are the targets, the
     prompts are not; an exhausted cache grows when more distilled shards arrive, and a run
     begun before keeps the pool it began on (its run folder's pool.json) until it ends."""
-    from bench.core.training.distill import DistillSettings, distill
+    from bench.training.distill import DistillSettings, distill
 
     conversations = [["Say hi.", "Now say bye."], ["What is 2+2?"], ["Name a color."]]
     entries = [{"id": str(i), "conversations": [m for text in turns for m in
@@ -203,7 +203,7 @@ def test_distilled_shards_finishing_out_of_order_are_each_read_once(default_targ
     """Distillation runs shard ranges in parallel, so a shard before the ones a cache read can
     finish later: the cache keeps the distilled rows it read per shard and grows by the rest,
     never reading a conversation twice or skipping one (counting conversations would)."""
-    from bench.core.training.distill import DistillSettings, distill
+    from bench.training.distill import DistillSettings, distill
 
     entries = [{"id": str(i), "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "x"}]}
                for i, text in enumerate(["Say hi.", "What is 2+2?", "Name a color."])]
@@ -243,7 +243,7 @@ def test_states_are_mapped_from_tap_files_and_old_caches_convert(default_target,
     assert torch.equal(again["h2"], loaded["h2"])
     # The old layout: states inside the shards, no tap files.
     index = json.loads((folder / "index.json").read_text())
-    from bench.core.training.features import _save_shard
+    from bench.training.features import _save_shard
 
     offset = 0
     for shard in index["shards"]:

@@ -1,9 +1,11 @@
-"""The house's layers: imports run one way, core <- methods/tasks <- harness <- scripts.
+"""The house's layers: imports run one way, core <- training <- methods/tasks <- harness <- scripts.
 
   bench/core/   engine, drafts, verification, the decode loop, targets, drafter I/O,
-                training, the cost model: imports nothing else of the project
-  methods/      one drafting method each: imports only the core (and its own package)
-  tasks/        evaluation suites: imports only the core
+                the cost model: imports nothing else of the project
+  bench/training/  what every trainer shares (features, self-distilled data, the loop,
+                held-out replays): imports only the core
+  methods/      one drafting method each: imports the core, training and its own package
+  tasks/        evaluation suites: imports the core (and training)
   bench/        the harness (registry, run, records, metrics, grid, report, CLI)
   scripts/      GPU checks, comparisons, experiments: nothing imports them
 
@@ -27,11 +29,13 @@ def layer(module: str) -> tuple[int, str]:
     """(height, room) of a project module."""
     if module == "bench" or module.startswith("bench.core"):
         return 0, "core"
+    if module == "bench.training" or module.startswith("bench.training."):
+        return 1, "training"
     if module.split(".")[0] in ("methods", "tasks"):
-        return 1, module.split(".")[0]
+        return 2, module.split(".")[0]
     if module.startswith("bench"):
-        return 2, "harness"
-    return 3, "scripts"
+        return 3, "harness"
+    return 4, "scripts"
 
 
 def project_modules() -> dict[str, Path]:
@@ -62,7 +66,7 @@ def test_no_module_imports_upward_or_sideways():
     wrong = []
     for source, imported in edges():
         (high, room), (target_high, target_room) = layer(source), layer(imported)
-        if target_high > high or (target_high == high == 1 and room != target_room):
+        if target_high > high or (target_high == high == 2 and room != target_room):
             wrong.append(f"{source} ({room}) imports {imported} ({target_room})")
     assert not wrong, "\n".join(wrong)
 
@@ -92,8 +96,9 @@ def test_no_import_cycles_between_files():
 
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The rule itself: a core module importing the harness is flagged."""
-    assert layer("bench.core.engine") < layer("bench.run") < layer("scripts.gpu_check")
-    assert layer("methods.pld")[0] == layer("tasks")[0] == 1
+    assert layer("bench.core.engine") < layer("bench.training.loop") < layer("methods.pld") < layer("bench.run") \
+        < layer("scripts.gpu_check")
+    assert layer("methods.pld")[0] == layer("tasks")[0] == 2
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from bench.run import run\n    import methods.pld\n")
     modules = {"bench.run": probe, "methods.pld": probe}

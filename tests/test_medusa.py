@@ -19,7 +19,7 @@ from bench.core.decode import DecodeConfig, Drafter, LoopDecoder, decode
 from bench.core.draft import Draft
 from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
-from bench.core.training import TrainSettings
+from bench.training import TrainSettings
 from methods.medusa import (
     Features,
     MedusaDrafter,

@@ -16,8 +16,8 @@ from bench.core.drafters import MANIFEST, WEIGHTS, user_dir
 from bench.core.engine import ForwardOutput
 from bench.core.errors import BenchError
 from bench.core.sampling import SamplingConfig
-from bench.core.training import TrainSettings
-from bench.core.training.loop import read_log
+from bench.training import TrainSettings
+from bench.training.loop import read_log
 from methods import mtp
 from methods.mtp import build
 from methods.mtp.drafter import ParallelDrafter, SequentialDrafter, make_drafter
@@ -465,7 +465,7 @@ def test_bad_training_options(tiny_target, tmp_path):
 
 
 def test_first_reply_tokens_cuts_each_reply_from_start():
-    from bench.core.training import first_reply_tokens
+    from bench.training import first_reply_tokens
 
     mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
     assert first_reply_tokens(mask, 0, 2).int().tolist() == [1, 1, 0, 0, 1, 1, 0, 0, 1]

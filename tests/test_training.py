@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from sps_helpers import load_tiny_target, make_tiny_target_folder, write_sharegpt
 
 from bench.core.errors import BenchError
-from bench.core.training import TrainSettings
-from bench.core.training import loop as loop_module
-from bench.core.training.data import ShareGPTExamples, format_conversation, read_sharegpt
-from bench.core.training.draft_lm import DraftDistillation, train_draft_lm
+from bench.training import TrainSettings
+from bench.training import loop as loop_module
+from bench.training.data import ShareGPTExamples, format_conversation, read_sharegpt
+from bench.training.draft_lm import DraftDistillation, train_draft_lm
 
 FP32 = {"num_layers": 1, "teacher_dtype": "float32"}
 
@@ -159,7 +159,7 @@ def test_exported_drafter_matches_the_trained_student(tiny_target, sharegpt, tmp
 
 
 def test_chain_counts_follow_agreeing_prefixes_within_a_reply():
-    from bench.core.training.draft_lm import chain_counts
+    from bench.training.draft_lm import chain_counts
 
     # Rows 10-13 are one reply, 20-21 another. Agreeing contiguous rows from each row: 2, 1, 0, 1, 2, 1.
     agree = [True, True, False, True, True, True]
@@ -192,8 +192,8 @@ def test_cached_teacher_matches_the_online_one(tiny_target, sharegpt, tmp_path, 
     """`feature_tokens`: the teacher's logits are the lm_head projection of the final states in
     the shared feature cache, no target pass: the online teacher's logits up to the states'
     bf16 rounding, on the same conversations; training and the held-out evaluation run on it."""
-    from bench.core.training.draft_lm import CachedExamples, DraftLMSettings
-    from bench.core.training.features import FeatureData, ensure_features
+    from bench.training.draft_lm import CachedExamples, DraftLMSettings
+    from bench.training.features import FeatureData, ensure_features
 
     monkeypatch.setenv("BENCH_CACHE", str(tmp_path / "cache"))
     cached = train_draft_lm(tiny_target, _settings(tmp_path / "cached", sharegpt, max_steps=2,
@@ -216,7 +216,7 @@ def test_cached_teacher_matches_the_online_one(tiny_target, sharegpt, tmp_path, 
 
 
 def _draft_settings():
-    from bench.core.training.draft_lm import DraftLMSettings
+    from bench.training.draft_lm import DraftLMSettings
 
     return DraftLMSettings(**FP32)
 
@@ -302,7 +302,7 @@ def test_cli_train_stopped_by_stop_after_exits_3_and_the_same_command_finishes(t
 
 
 def test_heldout_prediction_is_the_chain_model():
-    from bench.core.training import heldout_prediction
+    from bench.training import heldout_prediction
 
     assert heldout_prediction([0.5, 0.5, 0.5])["predicted_tau"] == 1.875  # 1 + .5 + .25 + .125
     assert heldout_prediction([1.0, 0.0, 1.0])["predicted_tau"] == 2.0  # nothing survives a miss
@@ -310,7 +310,7 @@ def test_heldout_prediction_is_the_chain_model():
 
 
 def test_simulated_rounds_start_after_each_bonus_token() -> None:
-    from bench.core.training import rounds_prediction, simulated_rounds
+    from bench.training import rounds_prediction, simulated_rounds
 
     # two steps over six rows; a round at s accepts the leading run of hit[0][s], hit[1][s]
     hit = [[True, False, True, True, False, True],
@@ -346,7 +346,7 @@ def next_batch(cursor):
 def test_milestones_fire_once_across_a_resume(tmp_path):
     """on_milestone runs once per milestone of trained tokens, also when the run stops
     between milestones and resumes; the count is kept in the checkpoint."""
-    from bench.core.training import loop
+    from bench.training import loop
 
     fired = []
     cfg = loop.LoopConfig(max_steps=3, checkpoint_every_s=1e9)
@@ -384,7 +384,7 @@ def test_milestones_fire_once_across_a_resume(tmp_path):
 def test_run_loop_keeps_copies_of_the_folder_it_trains_into(tmp_path):
     """TrainSettings.run_loop: --keep-at copies come from the folder the trainer exports into,
     also where that is not settings.out_dir (MTP's parallel variant trains into its own)."""
-    from bench.core.training import TrainSettings, loop
+    from bench.training import TrainSettings, loop
 
     folder = tmp_path / "mtp-parallel"
 
@@ -403,7 +403,7 @@ def test_run_loop_keeps_copies_of_the_folder_it_trains_into(tmp_path):
 def test_stop_at_exports_checkpoints_and_the_rerun_ends_where_one_run_would(tmp_path):
     """stop_at ends an invocation early (a lent machine's call, a session's end): it exports
     and checkpoints there, and the same settings again resume to the weights of an unbroken run."""
-    from bench.core.training import loop
+    from bench.training import loop
 
     class Toy:
         def __init__(self) -> None:
@@ -439,7 +439,7 @@ def test_stretches_say_which_steps_ran_where_across_resumes(tmp_path, monkeypatc
     steps in its checkpoint; the manifest's machine names them all, and a checkpoint from
     before stretches were kept leaves its steps 'not recorded' rather than claiming them."""
     from bench.core.drafters import describe_stretches, record_training_run, write_drafter
-    from bench.core.training import loop
+    from bench.training import loop
 
     threads = torch.get_num_threads()
     try:
@@ -471,7 +471,7 @@ def test_a_run_lengthened_on_resume_records_both_schedules(tmp_path):
     """A finished run resumed with more steps (`--epochs` raised) trains its extra steps under a new
     cosine, which restarts above the old run's last LR: the stretches and the manifest line say so."""
     from bench.core.drafters import describe_stretches
-    from bench.core.training import loop
+    from bench.training import loop
 
     loop.train(Toy(), next_batch, loop.LoopConfig(max_steps=4, warmup_steps=1, checkpoint_every_s=1e9), tmp_path,
                progress=False)
@@ -516,7 +516,7 @@ def test_ship_drafter_stores_bf16_and_makes_the_folder_that_drafter(tmp_path):
     save_file(weights, str(source / WEIGHTS))
     (source / MANIFEST).write_text(json.dumps({"method": "eagle3", "training": {"steps": 3}}))
     (source / "draft_vocab.json").write_text("[1, 2]")  # a trainer's resume files: not shipped
-    from bench.core.training.features import POOL
+    from bench.training.features import POOL
 
     (source / POOL).write_text('{"cache": "c", "shards": 1, "tokens": 9}')
     (source / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n' * 50)
@@ -609,7 +609,7 @@ def test_bench_ship_says_when_a_user_trained_drafter_would_shadow_the_shipped_on
 
 
 def test_memory_cap_purges_jemalloc_only_past_its_limit():
-    from bench.core.training.memory import MemoryCap, anonymous_bytes, purge_all_arenas
+    from bench.training.memory import MemoryCap, anonymous_bytes, purge_all_arenas
 
     if "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
         assert not purge_all_arenas() and not MemoryCap(limit=0).enabled  # glibc: nothing to purge
@@ -618,7 +618,7 @@ def test_memory_cap_purges_jemalloc_only_past_its_limit():
         pytest.skip("libjemalloc2 not installed")
     child = (
         "import torch\n"
-        "from bench.core.training.memory import MemoryCap, anonymous_bytes\n"
+        "from bench.training.memory import MemoryCap, anonymous_bytes\n"
         "cap = MemoryCap(limit=0)\n"
         "x = torch.ones(100_000_000); del x\n"  # 400 MB freed: jemalloc keeps it (decay off)
         "kept = anonymous_bytes()\n"
@@ -636,7 +636,7 @@ def test_memory_cap_purges_jemalloc_only_past_its_limit():
 
 
 def test_memory_cap_set_by_the_user_gives_way_to_the_working_set_alone(monkeypatch):
-    from bench.core.training.memory import MemoryCap
+    from bench.training.memory import MemoryCap
 
     monkeypatch.delenv("BENCH_TRAIN_MEMORY_GB", raising=False)
     default = MemoryCap()
@@ -654,8 +654,8 @@ def test_memory_cap_set_by_the_user_gives_way_to_the_working_set_alone(monkeypat
 def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
     """The fused reductions (vocab_rows) give the textbook loss: sum KL(p || q) + ce_weight * CE
     over the reply positions, divided by their count; and its metrics."""
-    from bench.core.training.data import Example
-    from bench.core.training.draft_lm import DraftLMSettings
+    from bench.training.data import Example
+    from bench.training.draft_lm import DraftLMSettings
 
     objective = DraftDistillation(tiny_target, DraftLMSettings(**FP32, ce_weight=0.3), "cpu")
     torch.manual_seed(0)
@@ -678,7 +678,7 @@ def test_draft_lm_loss_is_kl_plus_weighted_ce(tiny_target):
 def test_soft_cross_entropy_is_the_textbook_loss_and_gradient():
     """vocab_rows.soft_cross_entropy: -(p . log_softmax(z)) per row, and the logit gradient
     autograd gives that expression (EAGLE-3's per-step loss)."""
-    from bench.core.training.vocab_rows import soft_cross_entropy
+    from bench.training.vocab_rows import soft_cross_entropy
 
     generator = torch.Generator().manual_seed(0)
     z = (torch.randn(7, 300, generator=generator) * 4).requires_grad_(True)
@@ -693,7 +693,7 @@ def test_soft_cross_entropy_is_the_textbook_loss_and_gradient():
 
 
 def test_a_second_run_into_the_same_folder_stops_with_one_line(tmp_path):
-    from bench.core.training.loop import exclusive_folder
+    from bench.training.loop import exclusive_folder
 
     with exclusive_folder(tmp_path / "run"):
         with pytest.raises(BenchError, match=r"another training run \(pid \d+\) is writing to"):
@@ -725,8 +725,8 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     whether a live process holds it: from the folder alone, a damaged file costing only its fields."""
     from datetime import UTC, datetime
 
-    from bench.core.training.loop import LOCK
-    from bench.core.training.status import describe, read_status, training_folders
+    from bench.training.loop import LOCK
+    from bench.training.status import describe, read_status, training_folders
 
     now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC).timestamp()
     run = _training_folder(tmp_path / "scale" / "eagle3", "2026-01-01T11:50:00Z")
@@ -743,7 +743,7 @@ def test_training_status_reads_a_run_from_its_folder(tmp_path):
     assert "pool:" not in text  # a run from before the pool was pinned
     (run / "pool.json").write_text(json.dumps({"cache": "selfdistill-len512-x", "shards": 3, "tokens": 4373615}))
     assert "pool: 4.37M tokens of feature cache selfdistill-len512-x" in describe(read_status(run, now=now))
-    from bench.core.training.status import replayed_tau
+    from bench.training.status import replayed_tau
 
     replayed = {"rounds_tau": 1.7, "first_128": {"rounds_tau": 1.5}, "first_x": 3}
     assert replayed_tau(replayed) == {"whole": 1.7, "first_128": 1.5}
@@ -786,7 +786,7 @@ def test_training_status_of_a_run_before_its_first_checkpoint(tmp_path):
     """A run still extracting its features or compiling (or stopped there) has only its command
     in its folder: --status lists it, its method read from that command; a checkpoint's step
     count is shown before any export holds one, and a newer checkpoint's count wins."""
-    from bench.core.training.status import describe, read_status, training_folders
+    from bench.training.status import describe, read_status, training_folders
 
     early = tmp_path / "scale" / "eagle3"
     early.mkdir(parents=True)
@@ -824,7 +824,7 @@ def test_cli_train_status(tmp_path):
 def test_export_interval_is_a_setting_a_resume_may_change(tmp_path):
     """--export-minutes reaches the loop; the interval is not part of the run's identity, so a run
     resumed with another one goes on (the held-out evaluation of an export costs minutes)."""
-    from bench.core.training.loop import RESUMABLE_CHANGES
+    from bench.training.loop import RESUMABLE_CHANGES
 
     settings = TrainSettings(out_dir=tmp_path, export_every_s=7200.0)
     assert settings.loop_config().export_every_s == 7200.0
@@ -900,11 +900,3 @@ def test_medusa_rounds_accept_the_tree_path_of_the_data_ranks():
     assert (found["rounds"], found["tree_size"]) == (3, 1) and found["first_2"]["rows"] == 1
 
 
-def test_compare_runs_averages_each_logged_step_window():
-    """scripts/compare_runs: a log's fields averaged over (s - every, s], windows past the last
-    logged step left out, fields a log lacks left out."""
-    from scripts.compare_runs import log_windows
-
-    rows = [{"step": s, "acc0": s / 10, "loss": 1.0} for s in range(1, 11)]
-    windows = log_windows(rows, ["acc0", "loss", "acc7"], every=4)
-    assert windows == {4: {"acc0": 0.25, "loss": 1.0}, 8: {"acc0": 0.65, "loss": 1.0}}

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from bench.cli import main
 from bench.core.errors import BenchError
-from bench.core.training import distill as distill_module
-from bench.core.training.distill import TUNING_HOLDOUT, tuning_holdout, tuning_prompts, usable_conversations
 from bench.records import RunFile
 from bench.run import RunSettings, run
+from bench.training import distill as distill_module
+from bench.training.distill import TUNING_HOLDOUT, tuning_holdout, tuning_prompts, usable_conversations
 from bench.tune import best_candidate, check_tuned_drafter, parse_budget, tune, tuned_budget, tuning_path
 from tests.test_distill import _sharegpt
 

@@ -94,10 +94,10 @@ def tune(methods, target, device, dtype, budgets, prompt_count, max_new_tokens, 
     """Measure each method's fastest draft budget on this machine (greedy, interleaved with
     AR, on ShareGPT prompts no drafter trained on); `--budget auto` runs at it."""
     from bench.core.target import chat_prompt, default_device, load_target, resolve_dtype
-    from bench.core.training.distill import tuning_prompts
     from bench.grid import grid_methods
     from bench.registry import get_method
     from bench.run import check_device
+    from bench.training.distill import tuning_prompts
     from bench.tune import tune as tune_methods
     from tasks import evaluation_turns
 

@@ -93,11 +93,11 @@ def train(method, target, out_dir, status, max_steps, epochs, batch_size, max_le
 
     from bench.core.drafters import user_dir
     from bench.core.target import cache_dir, default_device, load_target, resolve_dtype
-    from bench.core.training import TrainSettings
-    from bench.core.training.loop import exclusive_folder
-    from bench.core.training.status import COMMAND
     from bench.registry import METHODS, get_method
     from bench.run import check_device
+    from bench.training import TrainSettings
+    from bench.training.loop import exclusive_folder
+    from bench.training.status import COMMAND
 
     info = get_method(method)
     if not info.trained:
@@ -177,7 +177,7 @@ def _training_status(out_dir: str | None) -> None:
     from pathlib import Path
 
     from bench.core.target import cache_dir
-    from bench.core.training.status import describe, read_status, training_folders
+    from bench.training.status import describe, read_status, training_folders
 
     if out_dir is not None and not Path(out_dir).is_dir():
         raise BenchError(f"no training folder {out_dir}")
@@ -204,12 +204,12 @@ def features(drop, folder, extract, tokens, self_distill, threads) -> None:
     for several methods in one pass (in the training precision, as `bench train`)."""
     from pathlib import Path
 
-    from bench.core.training.features import FeatureStore, describe_cache, drop_taps, feature_caches
+    from bench.training.features import FeatureStore, describe_cache, drop_taps, feature_caches
 
     if extract:
         import methods  # noqa: F401  (registers the project's shipped data, methods/distilled/)
         from bench.core.target import default_device, load_target, resolve_dtype
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.features import FeatureData, ensure_features
 
         try:
             taps = tuple(sorted({int(t) for t in extract.split(",") if t.strip()}))
@@ -255,7 +255,7 @@ def distill(target, device, dtype, batch_size, max_reply, max_context, shards, t
     """Self-distilled training data: the target's own greedy replies to every turn of
     ShareGPT conversations (minus those overlapping an evaluation suite), sharded, resumable."""
     from bench.core.target import load_target, resolve_dtype
-    from bench.core.training.distill import DistillSettings, distill, distill_status
+    from bench.training.distill import DistillSettings, distill, distill_status
     from tasks import evaluation_turns
 
     if status:

@@ -262,7 +262,7 @@ SHIPPED_BUDGET_BYTES = 100_000_000  # every shipped drafter of the project toget
 SHIPPED_LOG_LINES = 1000
 # What a trainer keeps beside the drafter to resume with the same draft vocabulary (the map
 # itself is a buffer in the weights) and on the same feature pool (pool.json, the name
-# bench.core.training.features.POOL gives it; the manifest keeps the pool's size): a shipped
+# bench.training.features.POOL gives it; the manifest keeps the pool's size): a shipped
 # drafter does without them.
 RESUME_ONLY = ("draft_vocab.json", "draft_vocab.safetensors", "pool.json")
 

@@ -4,7 +4,7 @@ A slot is filled by a batch-1 prefill (the engine's own forward, no padding), th
 live slot advances one token per `step`: one batched pass whose rows write K/V at their
 own slot lengths and attend only to their own filled slots. A finished slot is refilled at
 once (continuous batching), so a long reply never holds a batch of short ones hostage.
-Greedy self-distillation runs on it (bench.core.training.distill).
+Greedy self-distillation runs on it (bench.training.distill).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class Replay:
 
     def heldout(self, conversations: int, reply_tokens: int) -> dict:
         from bench.core.drafters import read_manifest
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.features import FeatureData, ensure_features
         from methods.dflash.training import FeatureBatches
 
         manifest = read_manifest(self.info["drafter"])

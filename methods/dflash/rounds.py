@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bench.core.training import simulated_rounds
+from bench.training import simulated_rounds
 
 
 @torch.no_grad()
@@ -107,7 +107,7 @@ def drafted_hits(tokens: Tensor, reply: Tensor, roots: list[int], drafted: list[
 def reply_rows(loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     """From a feature cache's loss mask (row r: token r+1 is a reply token): which tokens are
     reply tokens, and where a round may start (a reply token followed by another)."""
-    from bench.core.training import round_starts
+    from bench.training import round_starts
 
     reply = torch.cat([torch.zeros(1, dtype=torch.bool), loss_mask[:-1].bool()])
     return reply, round_starts(reply)
@@ -119,7 +119,7 @@ def heldout_rounds(model, embed: Tensor, lm_head: Tensor, tensors: dict[str, Ten
     whole blocks verified: τ, the first draft's acceptance, and the first draft's agreement
     over every root; with `keep`, the same with each reply cut to its first `keep` tokens, as
     the grid's turns are (under `first_<keep>`)."""
-    from bench.core.training import by_cut, first_reply_tokens, replay_cuts, rounds_prediction
+    from bench.training import by_cut, first_reply_tokens, replay_cuts, rounds_prediction
 
     cuts = replay_cuts(keep)
     totals = {cut: [0, 0, 0, 0, 0] for cut in cuts}  # rounds, accepted, first accepted, first-draft hits, roots

@@ -39,8 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
-from bench.core.training.features import FeatureData, ensure_features, training_manifest
-from bench.core.training.vocab_rows import agrees
+from bench.training.features import FeatureData, ensure_features, training_manifest
+from bench.training.vocab_rows import agrees
 from methods.dflash.model import BlockConfig, BlockDraftModel, default_mask_token_id, zlab_taps
 from methods.dflash.rounds import ARGMAX_CHUNK_ROWS, draft_argmax
 from methods.eagle.training import FeatureBatches, _coerce, draft_vocabulary, vocabulary_for_coverage
@@ -77,7 +77,7 @@ class BlockTrainSettings:
     self_distill: bool = False
     # The loss over at most this many scored slots at a time, each chunk's logits recomputed in
     # the backward pass (0: all at once): the logits are [slots, vocab] in fp32 several times over,
-    # too much at the references' 512 anchors (scripts/block_memory.py measures both options).
+    # too much at the references' 512 anchors (a retired script measured both: results/ARCHIVE.md).
     loss_chunk_rows: int = 0
     # Keep only each draft layer's input for the backward pass (the rest recomputed there): the
     # attention scores of hundreds of blocks over the context are the bulk of the rest.
@@ -394,7 +394,7 @@ def mask_token_for(target, chosen: int, method: str) -> int:
 
 def train_block(target, settings, method: str, defaults: dict | None = None) -> dict:
     """Train a DFlash (or, with DSpark's defaults, a DSpark) drafter for `target`."""
-    from bench.core.training import (
+    from bench.training import (
         GRID_REPLY_TOKENS,
         HELDOUT_ROUNDS_CONVERSATIONS,
         heldout_prediction,

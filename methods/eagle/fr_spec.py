@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bench.core.training.distill import DistilledData, find_distilled, reply_token_counts
+from bench.training.distill import DistilledData, find_distilled, reply_token_counts
 
 
 @functools.cache

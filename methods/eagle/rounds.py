@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.core.training import heldout_prediction
+from bench.training import heldout_prediction
 
 
 class Replay:
@@ -35,7 +35,7 @@ class Replay:
                      "trained_steps": self.manifest["training"].get("steps")}
 
     def heldout(self, conversations: int, reply_tokens: int) -> dict:
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.features import FeatureData, ensure_features
         from methods.eagle.training import EagleObjective, EagleTrainSettings, FeatureBatches, rank_accuracy
 
         settings = EagleTrainSettings(**self.manifest["training"]["settings"])

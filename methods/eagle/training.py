@@ -1,4 +1,4 @@
-"""Training EAGLE heads on cached target features (bench.core.training.features).
+"""Training EAGLE heads on cached target features (bench.training.features).
 
 EAGLE-1: input (f_t + noise, x_{t+1}) -> predicted f_{t+1}. Loss = SmoothL1(f̂, f) +
 0.1 * soft-CE(target probs of x_{t+2}, lm_head(f̂)), the paper's v_w=1 / p_w=0.1, with
@@ -29,9 +29,9 @@ from torch import Tensor
 
 from bench.core.drafters import WEIGHTS, write_drafter
 from bench.core.errors import BenchError
-from bench.core.training import without_later_defaults
-from bench.core.training.features import FeatureData, ensure_features, training_manifest
-from bench.core.training.vocab_rows import agrees, soft_cross_entropy
+from bench.training import without_later_defaults
+from bench.training.features import FeatureData, ensure_features, training_manifest
+from bench.training.vocab_rows import agrees, soft_cross_entropy
 from methods.eagle.model import EagleConfig, EagleHead
 
 FORMAT = "spec-bench-eagle/1"
@@ -322,7 +322,7 @@ def rank_accuracy(objective: EagleObjective, batches: FeatureBatches, limit: int
     `keep` tokens): step s at row t is the chain rooted at t drafting token t+2+s from its own
     earlier states and, while it has been right, the data's tokens, which is what the unrolled
     pass computes, so the replay is exact (tests/test_eagle.py checks both kinds)."""
-    from bench.core.training import (
+    from bench.training import (
         by_cut,
         first_reply_tokens,
         replay_cuts,
@@ -474,7 +474,7 @@ def export_head(head: EagleHead, folder: Path, manifest: dict) -> None:
 
 def train_eagle(target, settings, kind: str, method: str) -> dict:
     """Train an EAGLE-1 or EAGLE-3 head for `target` into settings.out_dir (resumable)."""
-    from bench.core.training import GRID_REPLY_TOKENS, heldout_prediction, loop
+    from bench.training import GRID_REPLY_TOKENS, heldout_prediction, loop
 
     known = set(EagleTrainSettings.__dataclass_fields__)
     unknown = sorted(set(settings.options) - known)

@@ -25,7 +25,7 @@ below that cutoff removed. p is the target's distribution after the run's own tr
 (temperature, top-k, top-p). At temperature 0 it is plain greedy verification.
 
 Training (`bench train --method medusa`). Frozen target; features from the shared cache
-(bench.core.training.features, tap L). Loss per head: soft cross-entropy against the target's
+(bench.training.features, tap L). Loss per head: soft cross-entropy against the target's
 own distribution for that token (softmax(lm_head(h_L[t+1+i])), self-distillation: the heads
 are judged against the target, not against ShareGPT's text), option labels=data for
 Medusa's hard CE on the data token. Only (position, head) pairs whose label is an

@@ -5,7 +5,7 @@ a greedy round starting at row t (token t+1, the last round's bonus, known) the 
 the longest tree path whose every node is the target's own token; on the target's greedy reply
 that is the data's token, so the path accepted is the one whose ranks are the data tokens' ranks
 in the heads' top-k, cut where the tree has no such node. The next round starts after the bonus
-(bench.core.training.simulated_rounds). Replayed on a grid turn this gives the rounds the loop
+(bench.training.simulated_rounds). Replayed on a grid turn this gives the rounds the loop
 recorded; on held-out replies, the τ a drafter gives its tree before any decoding.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.training import (
+from bench.training import (
     by_cut,
     first_reply_tokens,
     replay_cuts,
@@ -142,7 +142,7 @@ class Replay:
         return sequence_rounds(self.heads, self.lm_head, hidden, tokens, mask, self.paths)
 
     def heldout(self, conversations: int, reply_tokens: int) -> dict:
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.features import FeatureData, ensure_features
 
         store = ensure_features(self.target, (self.tap,), FeatureData(max_tokens=5_000_000, self_distill=True),
                                 progress=False)

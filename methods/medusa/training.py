@@ -12,7 +12,7 @@ from torch import Tensor
 
 from bench.core.drafters import WEIGHTS
 from bench.core.errors import BenchError
-from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
+from bench.training.vocab_rows import agrees, rowdot, softmax_lse
 from methods.medusa.model import FORMAT, METHOD, MedusaHeads, export_heads
 from methods.medusa.tree import TOPK, build_tree, expected_accepted
 
@@ -235,8 +235,8 @@ class MedusaObjective:
 def train_medusa(target, settings) -> dict:
     """`bench train --method medusa`: Medusa-1 heads on cached target features."""
     from bench.core.provenance import git_sha, timestamp
-    from bench.core.training import GRID_REPLY_TOKENS, HELDOUT_ROUNDS_CONVERSATIONS, heldout_prediction, loop
-    from bench.core.training.features import FeatureData, data_facts, ensure_features
+    from bench.training import GRID_REPLY_TOKENS, HELDOUT_ROUNDS_CONVERSATIONS, heldout_prediction, loop
+    from bench.training.features import FeatureData, data_facts, ensure_features
     from methods.medusa.rounds import heldout_rounds
 
     opts = _training_options(dict(settings.options))

@@ -2,7 +2,7 @@
 
 Two variants (`--option variant=...`), both sharing the target's embedding and lm_head
 (frozen, never stored) and trained by distillation on the cached target features
-(bench.core.training.features).
+(bench.training.features).
 
 sequential (default; DeepSeek-V3 2412.19437 §2.2, one module applied recursively)
     row j, the pair (h_{j-1}, x_j) at RoPE position j-1 (the feature's position):
@@ -80,7 +80,7 @@ from methods.mtp.store import METHOD, find_folder, load_model
 
 if TYPE_CHECKING:
     from bench.core.target import Target
-    from bench.core.training import TrainSettings
+    from bench.training import TrainSettings
 
 __all__ = ["CONVENTION", "EXPORT_FORMATS", "METHOD", "Options", "build", "export", "train"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
+from bench.training.vocab_rows import agrees, rowdot, softmax_lse
 
 
 class _DistillLoss(torch.autograd.Function):
@@ -22,7 +22,7 @@ class _DistillLoss(torch.autograd.Function):
     work (as costly as the matmuls on a CPU) is kept to a few in-place passes. Also returns
     per-step stats [steps, 4]: KL sum, top-1 agreements, sum of min(p, q) (the T=1
     acceptance; only when no gradient is needed), rows. The row reductions are
-    bench.core.training.vocab_rows's fast ones."""
+    bench.training.vocab_rows's fast ones."""
 
     @staticmethod
     def forward(ctx, student: Tensor, teacher: Tensor, weight: Tensor, lm_head: Tensor,

@@ -1,4 +1,4 @@
-"""MTP rounds replayed from teacher-forced drafts (bench.core.training.simulated_rounds).
+"""MTP rounds replayed from teacher-forced drafts (bench.training.simulated_rounds).
 
 For a greedy chain drafter the simulation on a recorded turn replays the loop exactly: every
 accepted draft is the target's own token, so the drafter's inputs are the teacher-forced ones
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.core.training import first_reply_tokens, heldout_prediction
+from bench.training import first_reply_tokens, heldout_prediction
 
 
 def turn_features(target, prompt: list[int], reply: list[int]) -> tuple[dict, tuple[int, int, int]]:
@@ -53,7 +53,7 @@ class Replay:
         return MtpObjective(self.target, self.model, self.settings, features).round_counts([window], self.depth)
 
     def heldout(self, conversations: int, reply_tokens: int) -> dict:
-        from bench.core.training.features import ensure_features
+        from bench.training.features import ensure_features
         from methods.mtp.training import MtpObjective, windows_of
 
         tap = self.target.engine.num_layers

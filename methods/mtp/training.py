@@ -4,7 +4,7 @@ Soft cross-entropy against the target's own next-token distribution (KL(p || q),
 fused loss of methods/mtp/loss.py), only where the predicted token is an assistant-reply
 token and inside one conversation; steps / heads weighted step_decay^(k-1) (EAGLE-3's
 0.8), each averaged over its valid rows. Inputs are the cached target features
-(bench.core.training.features); the sequential module unrolls its chain `ttt_steps` times
+(bench.training.features); the sequential module unrolls its chain `ttt_steps` times
 (methods/mtp/model.chained_outputs). The drafter folder holds the trainable weights
 (bf16) and drafter.json; the parallel variant is trained into
 `.../drafters/<target>/mtp-parallel` (the manifest says method "mtp", variant "parallel"),
@@ -29,8 +29,8 @@ from methods.mtp.store import FORMAT, METHOD, drafter_key
 
 if TYPE_CHECKING:
     from bench.core.target import Target
-    from bench.core.training import TrainSettings
-    from bench.core.training.features import FeatureData
+    from bench.training import TrainSettings
+    from bench.training.features import FeatureData
 
 
 @dataclass
@@ -80,7 +80,7 @@ class MtpSettings:
         return tap
 
     def feature_data(self, data_path: Path | None) -> FeatureData:
-        from bench.core.training.features import FeatureData
+        from bench.training.features import FeatureData
 
         values = {"self_distill": self.self_distill}
         if self.feature_tokens is not None:
@@ -98,7 +98,7 @@ def init_model(target: Target, settings: MtpSettings) -> nn.Module:
     Why the last layer for the sequential module: its output is read by the final norm and
     lm_head, so the copied layer already writes a "next token" readout; earlier layers
     expect a mid-network residual stream (for the SpS draft, a copied late layer fed
-    embeddings started far from the target, see bench/core/training/draft_lm.init_layers)."""
+    embeddings started far from the target, see bench/training/draft_lm.init_layers)."""
     engine = target.engine
     shape = LayerShape.of(engine)
     model = new_model(settings.variant, shape, settings.heads, settings.fuse_order)
@@ -140,7 +140,7 @@ def windows_of(offsets: list[int], max_len: int) -> list[tuple[int, int, int]]:
 
 
 class MtpObjective:
-    """bench.core.training.loop Objective over the cached features; batches are window lists."""
+    """bench.training.loop Objective over the cached features; batches are window lists."""
 
     def __init__(self, target: Target, model: nn.Module, settings: MtpSettings, features: dict[str, Tensor],
                  device: str | torch.device = "cpu") -> None:
@@ -244,7 +244,7 @@ class MtpObjective:
                  "kl": [round(float(v), 4) for v in total[:, 0] / rows], "rows": int(total[0, 3])}
         if self.variant != "sequential":
             return found
-        from bench.core.training import GRID_REPLY_TOKENS, rounds_prediction
+        from bench.training import GRID_REPLY_TOKENS, rounds_prediction
 
         replayed = self.rounds_windows(windows)
         return dict(found, **rounds_prediction(*self.round_counts(replayed, steps)),
@@ -262,7 +262,7 @@ class MtpObjective:
 
     def first_reply_rounds(self, windows: list[tuple[int, int, int]], steps: int, keep: int) -> dict:
         """round_counts with each held-out reply cut to its first `keep` tokens (as the grid's turns)."""
-        from bench.core.training import first_reply_tokens, rounds_prediction
+        from bench.training import first_reply_tokens, rounds_prediction
 
         whole = self.features
         self.features = dict(whole, loss_mask=first_reply_tokens(whole["loss_mask"], windows[0][1], keep))
@@ -274,10 +274,10 @@ class MtpObjective:
 
     @torch.no_grad()
     def round_counts(self, windows: list[tuple[int, int, int]], steps: int) -> tuple[int, int, int]:
-        """Greedy decode rounds simulated on the windows (bench.core.training.simulated_rounds: rounds,
+        """Greedy decode rounds simulated on the windows (bench.training.simulated_rounds: rounds,
         accepted drafts, rounds whose first draft was accepted); the chain a round starts at row s
         drafts its k-th token at row s+k."""
-        from bench.core.training import simulated_rounds
+        from bench.training import simulated_rounds
 
         head = self.lm_head.to(self.head_dtype)
         total = [0, 0, 0]
@@ -306,8 +306,8 @@ def train_mtp(target: Target, settings: TrainSettings) -> dict:
     settings.out_dir (resuming from a checkpoint there); exports the drafter at every
     checkpoint with its held-out agreement per step."""
     from bench.core.provenance import git_sha, timestamp
-    from bench.core.training import heldout_prediction, loop
-    from bench.core.training.features import data_facts, ensure_features
+    from bench.training import heldout_prediction, loop
+    from bench.training.features import data_facts, ensure_features
 
     opts = MtpSettings.parse(dict(settings.options))
     num_layers = target.engine.num_layers

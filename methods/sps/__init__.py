@@ -86,7 +86,7 @@ def load_draft_engine(target, folder: Path, dtype: torch.dtype | None = None) ->
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.core.target import load_state_dict
-    from bench.core.training.draft_lm import config_from_dict
+    from bench.training.draft_lm import config_from_dict
 
     folder = Path(folder)
     engine = target.engine
@@ -195,6 +195,6 @@ def build(target, options: dict | Options | None = None) -> LoopDecoder:
 
 def train(target, settings) -> dict:
     """`bench train --method sps`: distil a small draft LM from the target."""
-    from bench.core.training.draft_lm import train_draft_lm
+    from bench.training.draft_lm import train_draft_lm
 
     return train_draft_lm(target, settings)

@@ -4,7 +4,7 @@ SpS drafts a greedy chain of `gamma` tokens with its own small LM. In a greedy r
 accepted draft is the target's token, so the draft reads the teacher-forced prefix: a round
 whose last known token is t+1 drafts token t+2+k from the draft's logits at row t+1+k, and the
 rounds of a turn replay from one teacher-forced pass of the draft
-(bench.core.training.next_token_rounds). On the grid's own turns the replay must give the τ the
+(bench.training.next_token_rounds). On the grid's own turns the replay must give the τ the
 loop recorded; on the draft's held-out conversations (whole replies, and their first tokens as
 the grid's turns are) it says how much of the gap to the held-out prediction is where rounds
 start and how much is a reply's opening.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bench.core.training import first_reply_tokens, next_token_rounds, rounds_prediction
+from bench.training import first_reply_tokens, next_token_rounds, rounds_prediction
 
 
 def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -28,7 +28,7 @@ def draft_right(draft_argmax: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
 
 def sequence_rounds(draft, tokens: Tensor, mask: Tensor, gamma: int,
                     starts: Tensor | None = None) -> tuple[tuple[int, int, int], int, int]:
-    """(rounds, accepted, first accepted) over one sequence (bench.core.training.next_token_rounds),
+    """(rounds, accepted, first accepted) over one sequence (bench.training.next_token_rounds),
     the rows whose next token is a reply token, and at how many the draft's top-1 is right."""
     right = draft_right(draft.prefill(tokens, logits_rows="all").logits.argmax(-1), tokens, mask)
     counts = next_token_rounds(right.tolist(), mask.tolist(), gamma, None if starts is None else starts.tolist())
@@ -96,8 +96,8 @@ class Replay:
         return sequence_rounds(self.draft, tokens, mask, self.gamma, starts)[0]
 
     def heldout(self, conversations: int, reply_tokens: int) -> dict:
-        from bench.core.training.draft_lm import DraftLMSettings
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.draft_lm import DraftLMSettings
+        from bench.training.features import FeatureData, ensure_features
 
         settings = DraftLMSettings(**self.manifest.get("draft_settings", {}))
         tap = self.target.engine.num_layers

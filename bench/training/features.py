@@ -25,9 +25,9 @@ target's dtype (`bench train` loads it in the training precision: bf16 where nat
 `--dtype auto` decodes), so features match what the drafter sees at decode time; the
 dtype is part of the cache key.
 
-Data: ShareGPT conversations in the target's chat template (bench.core.training.data), or,
+Data: ShareGPT conversations in the target's chat template (bench.training.data), or,
 with `self_distill`, the target's own greedy replies to those prompts, every turn
-(`bench distill`, bench.core.training.distill), which aligns the data with what the
+(`bench distill`, bench.training.distill), which aligns the data with what the
 target generates; only reply tokens are prediction targets.
 """
 
@@ -50,7 +50,7 @@ from tqdm import tqdm
 from bench.core.errors import BenchError
 from bench.core.files import write_json
 from bench.core.target import cache_dir
-from bench.core.training.memory import purge_all_arenas
+from bench.training.memory import purge_all_arenas
 
 FORMAT = "spec-bench-features/1"
 SHARD_SEQUENCES = 64
@@ -75,7 +75,7 @@ class FeatureData:
 
     def key(self) -> str:
         """Everything but max_tokens: runs of any size share one cache, which grows to the
-        largest asked for, and each reads its first max_tokens (bench.core.training.features)."""
+        largest asked for, and each reads its first max_tokens (bench.training.features)."""
         text = json.dumps({k: v for k, v in asdict(self).items() if k != "max_tokens"}, sort_keys=True)
         kind = "selfdistill" if self.self_distill else "sharegpt"
         return f"{kind}-len{self.max_len}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
@@ -222,8 +222,8 @@ def _conversations(target, data: FeatureData, skip: int = 0,
                    read: dict[int, int] | None = None) -> Iterator[tuple[Tensor, Tensor, dict[int, int] | None]]:
     """(tokens, loss_mask, position) of training conversations in a fixed order: ShareGPT's
     from the `skip`-th on; distilled ones after the rows `read` (per distilled shard), each
-    with the position after it (bench.core.training.distill: DistilledData.rows_after)."""
-    from bench.core.training.data import ShareGPTExamples
+    with the position after it (bench.training.distill: DistilledData.rows_after)."""
+    from bench.training.data import ShareGPTExamples
 
     if data.self_distill:
         yield from _distilled(data, read or {})
@@ -238,7 +238,7 @@ def _conversations(target, data: FeatureData, skip: int = 0,
 def _distilled(data: FeatureData, read: dict[int, int]) -> Iterator[tuple[Tensor, Tensor, dict[int, int]]]:
     """Distilled conversations not read yet, in shard order, truncated to max_len; position i
     is a target when token i+1 is one of the target's own reply tokens. Ends with the data."""
-    from bench.core.training.distill import DistilledData, reply_example
+    from bench.training.distill import DistilledData, reply_example
 
     position = dict(read)
     for shard, row_number, row in DistilledData(Path(data.distilled)).rows_after(read):
@@ -269,7 +269,7 @@ def with_distilled_folder(target, data: FeatureData) -> FeatureData:
     if not data.self_distill:
         return data
 
-    from bench.core.training.distill import DistilledData, find_distilled
+    from bench.training.distill import DistilledData, find_distilled
 
     if data.distilled:
         DistilledData(Path(data.distilled))  # readable, or a one-line error
@@ -361,7 +361,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
         index["done"] = False  # a larger run than any before: grow the cache
     index["data"]["max_tokens"] = largest
     if index["done"] and index.get("exhausted") and data.self_distill:
-        from bench.core.training.distill import DistilledData
+        from bench.training.distill import DistilledData
 
         if DistilledData(Path(data.distilled)).reply_tokens > index.get("distilled_reply_tokens", 0):
             index.update(done=False, exhausted=False)  # more distilled data since: extend the cache
@@ -396,7 +396,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
                 if sequence is None:  # the data ran out before max_tokens (distilled data still growing)
                     index["exhausted"] = True
                     if data.self_distill:
-                        from bench.core.training.distill import DistilledData
+                        from bench.training.distill import DistilledData
 
                         index["distilled_reply_tokens"] = DistilledData(Path(data.distilled)).reply_tokens
                     break
@@ -435,7 +435,7 @@ def ensure_features(target, taps: tuple[int, ...], data: FeatureData | None = No
 
 def _pinned_shards(run_dir: Path, cache: str) -> float:
     """The shard count a resumed run began on in `cache` (inf where it is not such a run)."""
-    from bench.core.training.loop import find_checkpoint
+    from bench.training.loop import find_checkpoint
 
     try:
         pinned = json.loads((run_dir / POOL).read_text())
@@ -451,7 +451,7 @@ def pinned_pool(store: FeatureStore, run_dir: Path) -> FeatureStore:
     would train on other conversations (another held-out split, another step count). The
     pool is written to run_dir/pool.json at a fresh start (no checkpoint) and read back on
     every resume; a run from before the pin is pinned to the pool it resumes on."""
-    from bench.core.training.loop import find_checkpoint
+    from bench.training.loop import find_checkpoint
 
     path = run_dir / POOL
     if find_checkpoint(run_dir) is None or not path.exists():

@@ -157,10 +157,10 @@ class TrainSettings:
         return resolve_dtype(self.precision, self.device) == "bfloat16"
 
     def loop_config(self, units: int | None = None, **overrides):
-        """The generic loop's settings from these (bench.core.training.loop.LoopConfig).
+        """The generic loop's settings from these (bench.training.loop.LoopConfig).
         units: how many batch units (conversations, windows) one epoch of the trainer's
         data holds; with `epochs` set, max_steps is epochs * units / batch_size."""
-        from bench.core.training.loop import LoopConfig
+        from bench.training.loop import LoopConfig
 
         steps = self.max_steps
         if self.epochs is not None:
@@ -172,10 +172,10 @@ class TrainSettings:
                              "stop_at": self.stop_at, "seed": self.seed, **overrides})
 
     def run_loop(self, objective, next_batch, cfg, identity: dict, export, out_dir: Path | None = None) -> dict:
-        """bench.core.training.loop.train into out_dir (default: self.out_dir) with a trainer's
+        """bench.training.loop.train into out_dir (default: self.out_dir) with a trainer's
         export(step) after its checkpoints and a copy kept at each of `keep_at`; the summary
         names the drafter's folder."""
-        from bench.core.training.loop import train
+        from bench.training.loop import train
 
         out_dir = Path(out_dir or self.out_dir)
         summary = train(objective, next_batch, cfg, out_dir, identity, self.progress, on_checkpoint=export,

@@ -5,7 +5,7 @@ chunk's logits, loss and logit gradient at once (Medusa, MTP). On a CPU the
 vocabulary-wide elementwise passes cost as much as the lm_head matmuls, and some aten
 reductions are several times slower than others that give the same numbers: the row dot
 as bmm or einsum, max with indices and logsumexp against vecdot, amax and softmax
-(`python -m scripts.vocab_rows` times them; results/<target>/profile/vocab-rows-*.json).
+(a retired script timed them: results/<target>/profile/vocab-rows-*.json, results/ARCHIVE.md).
 These helpers use the fast ones.
 """
 

@@ -124,7 +124,7 @@ def usable_conversations(seed: int, overlap: OverlapFilter | None, path: Path | 
                          ) -> tuple[list[dict], dict]:
     """ShareGPT conversations as {'id', 'users': [user texts]} in a seeded order, without
     those overlapping an evaluation set; and the filter's report."""
-    from bench.core.training.data import read_sharegpt
+    from bench.training.data import read_sharegpt
 
     conversations = read_sharegpt(path)
     kept, dropped = [], dict.fromkeys(overlap.suites if overlap else (), 0)
@@ -489,7 +489,7 @@ def _journal_rows(path: Path) -> list[dict]:
 def reply_example(row: dict, max_len: int):
     """A distilled conversation as a training Example truncated to max_len: position i is a
     target when token i+1 is one of the target's own reply tokens (None if none is left)."""
-    from bench.core.training.data import Example
+    from bench.training.data import Example
 
     tokens = row["tokens"][:max_len]
     mask = torch.zeros(len(tokens), dtype=torch.bool)

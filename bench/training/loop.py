@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from bench.core.errors import BenchError
 from bench.core.provenance import training_machine
-from bench.core.training.memory import MemoryCap
+from bench.training.memory import MemoryCap
 
 CHECKPOINT = "checkpoint"
 LOG = "log.jsonl"

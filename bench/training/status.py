@@ -16,8 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.core.drafters import heldout_of
-from bench.core.training.features import POOL
-from bench.core.training.loop import CHECKPOINT, LOCK, LOG
+from bench.training.features import POOL
+from bench.training.loop import CHECKPOINT, LOCK, LOG
 
 STATE = "state.json"
 COMMAND = ".train.command"  # the command line of the run's latest start (`bench train` writes it)

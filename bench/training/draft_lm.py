@@ -6,7 +6,7 @@ are trained and shipped. Loss: forward KL(p_target || q_draft) at every position
 next token belongs to an assistant reply, with teacher forcing on ShareGPT text or the
 target's own replies. The target's logits are computed on the fly with the compact engine
 (no grad), or, with `feature_tokens`, projected from the final states the shared feature
-cache holds (bench.core.training.features): one lm_head product instead of a target pass.
+cache holds (bench.training.features): one lm_head product instead of a target pass.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from bench.core.engine import Engine
 from bench.core.errors import BenchError
 from bench.core.provenance import git_sha, timestamp
 from bench.core.target import load_state_dict, parse_dtype
-from bench.core.training.data import Example
-from bench.core.training.vocab_rows import agrees, rowdot, softmax_lse
+from bench.training.data import Example
+from bench.training.vocab_rows import agrees, rowdot, softmax_lse
 
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
 FORMAT = "spec-bench-draft-lm/1"
@@ -84,7 +84,7 @@ def chain_counts(agree: list[bool], positions: list[int], depth: int) -> list[tu
 
 
 class DraftDistillation:
-    """Objective for bench.core.training.loop: KL to the target on reply positions."""
+    """Objective for bench.training.loop: KL to the target on reply positions."""
 
     def __init__(self, target, settings: DraftLMSettings, device: str = "cpu", autocast: bool = False) -> None:
         from transformers import AutoModelForCausalLM
@@ -168,10 +168,10 @@ class DraftDistillation:
         where the draft agreed with the target at the i earlier positions of the same reply
         (teacher-forced, exactly the context such a chain drafts in). Returns the agreement
         per position, the reply positions measured, and the decode rounds simulated on the
-        same replies (rounds, accepted, first accepted: bench.core.training.next_token_rounds),
+        same replies (rounds, accepted, first accepted: bench.training.next_token_rounds),
         under None for whole replies and under `keep` for each reply cut to its first `keep`
         tokens."""
-        from bench.core.training import first_reply_tokens, next_token_rounds, replay_cuts
+        from bench.training import first_reply_tokens, next_token_rounds, replay_cuts
 
         agreed, reached = [0] * depth, [0] * depth
         rounds: dict[int | None, list[int]] = {cut: [0, 0, 0] for cut in replay_cuts(keep)}
@@ -230,8 +230,8 @@ def _mean(rows: list[dict], key: str) -> float | None:
 def train_draft_lm(target, settings, method: str = "sps") -> dict:
     """Distil a draft LM for `target` into settings.out_dir (resuming when a checkpoint is
     there); exports the drafter (drafter.json + model.safetensors) at every checkpoint."""
-    from bench.core.training import GRID_REPLY_TOKENS, by_cut, heldout_prediction, loop, rounds_prediction
-    from bench.core.training.data import ShareGPTExamples
+    from bench.training import GRID_REPLY_TOKENS, by_cut, heldout_prediction, loop, rounds_prediction
+    from bench.training.data import ShareGPTExamples
 
     known = {f for f in DraftLMSettings.__dataclass_fields__ if f != "extra"}
     unknown = sorted(set(settings.options) - known)
@@ -241,7 +241,7 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
     torch.manual_seed(settings.seed)  # the student's random init (init=random)
     objective = DraftDistillation(target, draft_settings, settings.device, settings.bf16_autocast())
     if draft_settings.feature_tokens:  # the target's states from the shared cache (one extraction for all)
-        from bench.core.training.features import FeatureData, ensure_features
+        from bench.training.features import FeatureData, ensure_features
 
         features = FeatureData(max_tokens=draft_settings.feature_tokens, max_len=settings.max_len, seed=settings.seed,
                                self_distill=draft_settings.self_distill, distilled=draft_settings.distilled,
@@ -252,8 +252,8 @@ def train_draft_lm(target, settings, method: str = "sps") -> dict:
         draft_settings = replace(draft_settings, distilled=store.index["data"].get("distilled"))
         data = CachedExamples(store, tap)
     elif draft_settings.self_distill:
-        from bench.core.training.distill import DistilledExamples
-        from bench.core.training.features import FeatureData, with_distilled_folder
+        from bench.training.distill import DistilledExamples
+        from bench.training.features import FeatureData, with_distilled_folder
 
         folder = with_distilled_folder(target, FeatureData(self_distill=True, distilled=draft_settings.distilled))
         draft_settings = replace(draft_settings, distilled=folder.distilled)  # recorded, so a resume reads the same
