@@ -306,14 +306,15 @@ SCALE_SIZE_eagle3 := --option feature_tokens=6500000 --epochs $(EAGLE3_EPOCHS)
 SCALE_ARGS_eagle3 := $(EAGLE3_ARGS) --option fc_norm=true --option max_len=1024 --option group_by_length=true \
   --keep-at 2e5,1e6,6.34e6
 SCALE_ARGS_eagle3-paperfc := $(EAGLE3_ARGS) --keep-at 2e5,1e6
-# DFlash and DSpark: the references' 512 anchors per conversation (SpecForge's and DeepSpec's
-# max_anchors: every reply position of our conversations), the loss in chunks and the draft layers
-# recomputed in the backward so that fits a batch of 16; the shipped DFlash (64 anchors) saw a fifth
-# of the first-draft examples EAGLE's heads saw (scripts/first_draft_curves.py). About 5x the rows
-# of a 64-anchor step: meant for a GPU (BLOCK_ANCHORS="--option anchors=64" for the earlier runs).
-BLOCK_ANCHORS := --option anchors=512 --option loss_chunk_rows=4096 --option checkpoint_layers=true
-SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
-SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) --option decay=7 --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
+# DFlash and DSpark: the recipe `bench ablate --study dflash` found best at equal steps (the report's
+# ablation table): soft labels (KL to the target) and the slots' loss weights exp(-k/2), not z-lab's
+# exp(-k/7), which leaves the first draft a sixth of the loss. BLOCK_ANCHORS: 64 anchors a conversation
+# (512, the references', took 5x the time a step and gained nothing at equal steps there; on a GPU:
+# BLOCK_ANCHORS="--option anchors=512 --option loss_chunk_rows=4096 --option checkpoint_layers=true").
+BLOCK_ANCHORS := --option anchors=64
+BLOCK_RECIPE := --option labels=target --option decay=2
+SCALE_ARGS_dflash := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) $(BLOCK_RECIPE) --lr 6e-4 --warmup-steps 50 --keep-at 2e5,1e6 $(SCALE_COMPILE)
+SCALE_ARGS_dspark := --option block_size=16 --option num_layers=3 $(BLOCK_ANCHORS) $(BLOCK_RECIPE) --option confidence_label=both --option markov_rank=32 --lr 6e-4 --warmup-steps 50 $(SCALE_COMPILE)
 SCALE_ARGS_eagle :=
 SCALE_ARGS_mtp := --option variant=sequential --keep-at 2e5,1e6
 SCALE_ARGS_mtp-parallel := --option variant=parallel
